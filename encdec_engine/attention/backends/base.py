@@ -1,0 +1,40 @@
+"""The interface every attention backend implements."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Precompute, once per step, whatever every layer would otherwise redo."""
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor | None,  # [num_kv_tokens, num_kv_heads, head_dim]; None: read the cache only
+        value: torch.Tensor | None,  # [num_kv_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        view: AttentionView,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store new K/V at `view.slot_mapping` (if any), then attend as the view says."""
+        ...
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_kv_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_kv_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_kv_tokens] int64
+) -> None:
+    """Write K/V into their cache slots (slot = block * block_size + offset)."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))

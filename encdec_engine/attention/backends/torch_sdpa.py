@@ -1,0 +1,125 @@
+"""CPU (and fallback) backend on torch's scaled_dot_product_attention.
+
+Never materializes an O(total_tokens^2) mask: fresh prefill attention runs
+per sequence (sequences of equal shape are batched into one call), and
+cache reads gather each sequence's context into a batch padded to the
+longest context of this step, with a [num_seqs, max_key_len] padding mask.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from encdec_engine.attention.backends.base import store_kv
+from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
+
+
+@dataclass
+class _GatherPlan:
+    """Padded cache reads of one view, shared by every layer of a step."""
+
+    slots: torch.Tensor  # [num_seqs * max_key_len] cache slot per padded key
+    key_mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_key_len] True = attend
+
+
+def plan_gather(view: AttentionView, block_size: int) -> _GatherPlan:
+    assert view.block_tables is not None
+    num_seqs, max_key = view.num_seqs, view.max_key_len
+    device = view.block_tables.device
+    pos = torch.arange(max_key, device=device)  # [max_key_len]
+    blocks = view.block_tables.index_select(1, pos // block_size)  # [num_seqs, max_key_len]
+    valid = pos[None, :] < view.key_lens[:, None]  # [num_seqs, max_key_len]
+    slots = torch.where(valid, blocks * block_size + pos % block_size, 0)
+    mask = valid[:, None, None, :]
+    if view.causal and view.max_query_len > 1:
+        # Bottom-right aligned: query j of a sequence with q queries and k keys
+        # sees keys up to k - q + j.
+        q_lens = view.query_start_loc[1:] - view.query_start_loc[:-1]
+        j = torch.arange(view.max_query_len, device=device)
+        last_key = view.key_lens[:, None] - q_lens[:, None] + j[None, :]  # [num_seqs, max_query_len]
+        mask = mask & (pos[None, None, :] <= last_key[:, :, None])[:, None]
+    return _GatherPlan(slots.reshape(-1), mask)
+
+
+class TorchSDPABackend:
+    name = "torch-sdpa"
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        for view in (metadata.decoder, metadata.cross):
+            if view is not None and view.reads_cache:
+                view.plan = plan_gather(view, self.block_size)
+
+    def forward(self, query, key, value, kv_cache, view: AttentionView, scale: float) -> torch.Tensor:
+        if key is not None and view.slot_mapping is not None and kv_cache is not None:
+            store_kv(key, value, kv_cache, view.slot_mapping)
+        if view.reads_cache:
+            return self._attend_cache(query, kv_cache, view, scale)
+        return self._attend_fresh(query, key, value, view, scale)
+
+    def _attend_fresh(self, query, key, value, view: AttentionView, scale: float) -> torch.Tensor:
+        """Block-diagonal attention over this step's K/V, one SDPA call per sequence shape."""
+        q_loc, k_loc, k_lens = view.query_start_loc_list, view.key_start_loc_list, view.key_lens_list
+        out = torch.empty_like(query)
+        by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i in range(len(k_lens)):
+            by_shape[(q_loc[i + 1] - q_loc[i], k_lens[i])].append(i)
+        gqa = query.shape[1] != key.shape[1]
+        for (q_len, k_len), seqs in by_shape.items():
+            if q_len == 0:
+                continue
+            if len(seqs) == 1:
+                i = seqs[0]
+                q = query[q_loc[i] : q_loc[i + 1]].transpose(0, 1)[None]  # [1, H, q, D]
+                k = key[k_loc[i] : k_loc[i] + k_len].transpose(0, 1)[None]  # [1, Hkv, k, D]
+                v = value[k_loc[i] : k_loc[i] + k_len].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=view.causal, scale=scale, enable_gqa=gqa)
+                out[q_loc[i] : q_loc[i + 1]] = o[0].transpose(0, 1)
+                continue
+            q_idx = _segments(q_loc, seqs, q_len, query.device)  # [n, q]
+            k_idx = _segments(k_loc, seqs, k_len, query.device)  # [n, k]
+            q = query[q_idx].transpose(1, 2)  # [n, H, q, D]
+            k = key[k_idx].transpose(1, 2)
+            v = value[k_idx].transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=view.causal, scale=scale, enable_gqa=gqa)
+            out[q_idx.reshape(-1)] = o.transpose(1, 2).reshape(-1, *query.shape[1:])
+        return out
+
+    def _attend_cache(self, query, kv_cache, view: AttentionView, scale: float) -> torch.Tensor:
+        """Paged attention: gather each sequence's cached context, padded per batch."""
+        plan = view.plan if isinstance(view.plan, _GatherPlan) else plan_gather(view, self.block_size)
+        _, _, _, num_kv_heads, head_dim = kv_cache.shape
+        num_seqs, max_key = view.num_seqs, view.max_key_len
+        k = kv_cache[0].view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+        v = kv_cache[1].view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+        k = k.view(num_seqs, max_key, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, L, D]
+        v = v.view(num_seqs, max_key, num_kv_heads, head_dim).transpose(1, 2)
+        gqa = query.shape[1] != num_kv_heads
+        if view.max_query_len == 1:
+            q = query[:, :, None, :].to(k.dtype)  # [n, H, 1, D]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.key_mask, scale=scale, enable_gqa=gqa)
+            return o[:, :, 0, :].to(query.dtype)
+        out = torch.empty_like(query)
+        q_loc = view.query_start_loc_list
+        for i in range(num_seqs):
+            q_len = q_loc[i + 1] - q_loc[i]
+            if q_len == 0:
+                continue
+            q = query[q_loc[i] : q_loc[i + 1]].transpose(0, 1)[None].to(k.dtype)  # [1, H, q, D]
+            mask = plan.key_mask[i : i + 1, :, :q_len]
+            o = F.scaled_dot_product_attention(q, k[i : i + 1], v[i : i + 1], attn_mask=mask, scale=scale,
+                                               enable_gqa=gqa)
+            out[q_loc[i] : q_loc[i + 1]] = o[0].transpose(0, 1).to(query.dtype)
+        return out
+
+
+def _segments(starts: list[int], seqs: list[int], length: int, device: torch.device) -> torch.Tensor:
+    """Token indices [len(seqs), length] of equal-length segments of a flat batch."""
+    base = torch.tensor([starts[i] for i in seqs], device=device)
+    return base[:, None] + torch.arange(length, device=device)[None, :]

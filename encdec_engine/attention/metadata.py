@@ -1,0 +1,89 @@
+"""Attention metadata: one view of the flat batch per attention type.
+
+The model runner flattens every scheduled sequence into one token vector (no
+padding). Each attention type sees that batch through an `AttentionView`:
+which query tokens belong to which sequence, how many keys each sequence
+attends to, whether it is causal, where new K/V are stored in the paged cache
+and where cached K/V are read from. Backends have a single code path over
+views; a decoder-only batch simply has no encoder or cross view.
+
+Lengths, for sequence i of a batch (prefill shown; decode has q_i = 1)::
+
+    decoder tokens  |<-- computed_i -->|<-- q_i (scheduled) -->|
+                    |<------------- key_len_i ---------------->|   decoder self: causal,
+                                                                    query j sees keys <= computed_i + j
+    encoder tokens  |<------------ e_i (encoder_seq_len) ------>|   encoder self: q = k = e_i
+    cross           queries: q_i decoder tokens, keys: e_i encoder positions (non-causal)
+
+Flat layout of the query tokens (query_start_loc has num_seqs + 1 entries)::
+
+    [ seq0: q_0 tokens | seq1: q_1 tokens | ... ]
+    ^0                 ^query_start_loc[1]      ^query_start_loc[num_seqs] = num_tokens
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class AttentionType(enum.Enum):
+    ENCODER = enum.auto()  # encoder self-attention: non-causal, nothing cached
+    DECODER = enum.auto()  # decoder self-attention: causal, paged self cache
+    ENCODER_DECODER = enum.auto()  # cross-attention: non-causal, paged cross cache
+
+
+@dataclass
+class AttentionView:
+    """How one attention type sees the flat batch.
+
+    Keys come either from the fresh K/V of this step (`block_tables is None`,
+    laid out by `key_start_loc`) or from the paged cache through
+    `block_tables`. New K/V are written to the cache at `slot_mapping` when it
+    is set.
+    """
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] offsets into the flat queries
+    key_lens: torch.Tensor  # [num_seqs] keys each sequence attends to
+    causal: bool
+    max_query_len: int
+    max_key_len: int
+    slot_mapping: torch.Tensor | None = None  # [num_new_kv_tokens] cache slot of each new K/V
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] cached K/V to read
+    key_start_loc: torch.Tensor | None = None  # [num_seqs + 1] offsets into fresh K/V
+    # Host copies for per-sequence loops (avoid device syncs on every use).
+    query_start_loc_list: list[int] | None = None
+    key_lens_list: list[int] | None = None
+    key_start_loc_list: list[int] | None = None
+    plan: Any = None  # backend-specific precomputation for this step (see AttentionBackend.plan)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.key_lens.shape[0]
+
+    @property
+    def reads_cache(self) -> bool:
+        return self.block_tables is not None
+
+
+@dataclass
+class AttentionMetadata:
+    """The views of one forward pass; `encoder` and `cross` are None without an encoder step."""
+
+    decoder: AttentionView
+    encoder: AttentionView | None = None
+    cross: AttentionView | None = None
+    block_size: int = 16
+
+    def view(self, attn_type: AttentionType) -> AttentionView:
+        view = {
+            AttentionType.DECODER: self.decoder,
+            AttentionType.ENCODER: self.encoder,
+            AttentionType.ENCODER_DECODER: self.cross,
+        }[attn_type]
+        if view is None:
+            raise RuntimeError(f"no {attn_type.name} attention view in this batch")
+        return view

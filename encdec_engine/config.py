@@ -1,0 +1,61 @@
+"""Engine configuration: one dataclass, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str  # checkpoint folder (or hub id when online)
+    tokenizer: str | None = None  # defaults to the model folder
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # KV pool size in blocks; default from kv_cache_space_gb
+    kv_cache_space_gb: float = 2.0  # KV pool size when num_kv_blocks is not given
+    swap_space_gb: float = 0.0  # CPU swap pool for preempted requests (0: recompute instead)
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_batched_tokens: int | None = None  # prefill tokens (decoder + encoder) in one step
+    max_model_len: int | None = None  # decoder positions; default: the model's limit
+    seed: int = 0  # for unseeded random sampling
+    skip_tokenizer_init: bool = False  # token ids in, token ids out
+    attention_backend: str = "auto"  # auto | torch | xformers
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but no CUDA device is available")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_space_gb <= 0:
+            raise ValueError(f"kv_cache_space_gb must be positive, got {self.kv_cache_space_gb}")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be non-negative, got {self.swap_space_gb}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.attention_backend not in ("auto", "torch", "xformers"):
+            raise ValueError(f"attention_backend must be auto, torch or xformers, got {self.attention_backend!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

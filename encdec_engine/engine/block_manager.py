@@ -1,0 +1,241 @@
+"""Paged KV block accounting: self tables per decoder sequence, cross tables per request.
+
+One pool of fixed-size blocks backs both attention types. A group owns
+
+    |cross table| + sum_i |self table of seq i|
+
+blocks (forked sequences share full blocks through reference counts, so a
+shared block counts once). Block 0 of the device pool is never handed out: the
+model runner pads block tables and slot mappings with it.
+
+Torch-free on purpose: tables are plain `list[int]` and every operation is
+checked by millisecond unit tests.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+from encdec_engine.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class AllocStatus(enum.Enum):
+    OK = enum.auto()  # fits now
+    LATER = enum.auto()  # fits once other requests free blocks
+    NEVER = enum.auto()  # larger than the whole pool
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockAllocator:
+    """Free list and reference counts of one pool of blocks."""
+
+    def __init__(self, num_blocks: int, first_id: int = 0) -> None:
+        self.num_blocks = num_blocks
+        self.first_id = first_id
+        self.reset()
+
+    def reset(self) -> None:
+        self._free: deque[int] = deque(range(self.first_id, self.first_id + self.num_blocks))
+        self._refs: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("out of KV cache blocks")
+        block = self._free.popleft()
+        self._refs[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        self._refs[block] += 1
+
+    def ref_count(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
+    def free(self, block: int) -> None:
+        refs = self._refs[block] - 1
+        if refs:
+            self._refs[block] = refs
+        else:
+            del self._refs[block]
+            self._free.append(block)
+
+
+class BlockManager:
+    """Allocates, forks, swaps and frees the self and cross block tables of groups."""
+
+    def __init__(
+        self, block_size: int, num_device_blocks: int, num_swap_blocks: int = 0, watermark: float = 0.0
+    ) -> None:
+        self.block_size = block_size
+        self.device = BlockAllocator(num_device_blocks, first_id=1)  # 0 is the padding block
+        self.swap = BlockAllocator(num_swap_blocks)
+        self.watermark_blocks = int(watermark * num_device_blocks)
+        self.block_tables: dict[int, list[int]] = {}  # decoder seq id -> self blocks
+        self.cross_block_tables: dict[str, list[int]] = {}  # request id -> cross blocks
+        self._swapped_seqs: set[int] = set()
+        self._swapped_cross: set[str] = set()
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_total_device_blocks(self) -> int:
+        return self.device.num_blocks
+
+    @property
+    def num_total_swap_blocks(self) -> int:
+        return self.swap.num_blocks
+
+    def get_num_free_device_blocks(self) -> int:
+        return self.device.num_free
+
+    def get_num_free_swap_blocks(self) -> int:
+        return self.swap.num_free
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return self.block_tables[seq.seq_id]
+
+    def get_cross_block_table(self, group: SequenceGroup) -> list[int] | None:
+        return self.cross_block_tables.get(group.request_id)
+
+    def group_blocks(self, group: SequenceGroup) -> int:
+        """Distinct blocks the group holds now."""
+        blocks = set(self.cross_block_tables.get(group.request_id, ()))
+        for seq in group.seqs:
+            blocks.update(self.block_tables.get(seq.seq_id, ()))
+        return len(blocks)
+
+    def _blocks_needed(self, group: SequenceGroup) -> int:
+        needed = sum(blocks_for(len(s), self.block_size) for s in group.get_seqs(SequenceStatus.WAITING))
+        if group.encoder_seq is not None:
+            needed += blocks_for(group.encoder_seq.num_positions, self.block_size)
+        return needed
+
+    # -- allocation ----------------------------------------------------------
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        needed = self._blocks_needed(group)
+        if needed > self.device.num_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.device.num_free - needed >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Give every waiting sequence its self table and the group its cross table."""
+        for seq in group.get_seqs(SequenceStatus.WAITING):
+            self.block_tables[seq.seq_id] = [
+                self.device.allocate() for _ in range(blocks_for(len(seq), self.block_size))
+            ]
+        if group.encoder_seq is not None and group.request_id not in self.cross_block_tables:
+            n = blocks_for(group.encoder_seq.num_positions, self.block_size)
+            self.cross_block_tables[group.request_id] = [self.device.allocate() for _ in range(n)]
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        # Worst case: each running sequence needs one new (or copied) block.
+        return len(group.get_seqs(SequenceStatus.RUNNING)) <= self.device.num_free
+
+    def append_slots(self, seq: Sequence) -> tuple[int, int] | None:
+        """Make room for the sequence's uncached tokens.
+
+        Returns a (src, dst) block copy when the block the next token lands in
+        was shared with a forked sequence (copy-on-write), else None.
+        """
+        table = self.block_tables[seq.seq_id]
+        while len(table) < blocks_for(len(seq), self.block_size):
+            table.append(self.device.allocate())
+        # The block that receives the first uncached token.
+        idx = seq.data.num_computed_tokens // self.block_size
+        block = table[idx]
+        if self.device.ref_count(block) == 1:
+            return None
+        new = self.device.allocate()
+        self.device.free(block)
+        table[idx] = new
+        return block, new
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (and the group's cross table)."""
+        table = self.block_tables[parent.seq_id]
+        for block in table:
+            self.device.incref(block)
+        self.block_tables[child.seq_id] = list(table)
+
+    # -- swapping ------------------------------------------------------------
+    def _swap(self, group: SequenceGroup, status: SequenceStatus, src: BlockAllocator, dst: BlockAllocator,
+              to_swap: bool) -> dict[int, int]:
+        mapping: dict[int, int] = {}
+
+        def move(table: list[int]) -> list[int]:
+            new_table = []
+            for block in table:
+                if block in mapping:
+                    dst.incref(mapping[block])
+                else:
+                    mapping[block] = dst.allocate()
+                src.free(block)
+                new_table.append(mapping[block])
+            return new_table
+
+        for seq in group.get_seqs(status):
+            self.block_tables[seq.seq_id] = move(self.block_tables[seq.seq_id])
+            (self._swapped_seqs.add if to_swap else self._swapped_seqs.discard)(seq.seq_id)
+        rid = group.request_id
+        if rid in self.cross_block_tables:
+            self.cross_block_tables[rid] = move(self.cross_block_tables[rid])
+            (self._swapped_cross.add if to_swap else self._swapped_cross.discard)(rid)
+        return mapping
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        return self.group_blocks(group) <= self.swap.num_free
+
+    def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
+        needed = self.group_blocks(group) + len(group.get_seqs(SequenceStatus.SWAPPED))
+        if needed > self.device.num_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if self.device.num_free - needed >= self.watermark_blocks else AllocStatus.LATER
+
+    def swap_out(self, group: SequenceGroup) -> dict[int, int]:
+        """Move the running sequences' and cross blocks to swap; returns device -> swap ids."""
+        return self._swap(group, SequenceStatus.RUNNING, self.device, self.swap, to_swap=True)
+
+    def swap_in(self, group: SequenceGroup) -> dict[int, int]:
+        """Move the swapped sequences' and cross blocks back; returns swap -> device ids."""
+        return self._swap(group, SequenceStatus.SWAPPED, self.swap, self.device, to_swap=False)
+
+    # -- freeing -------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        table = self.block_tables.pop(seq.seq_id, None)
+        if table is None:
+            return
+        pool = self.swap if seq.seq_id in self._swapped_seqs else self.device
+        self._swapped_seqs.discard(seq.seq_id)
+        for block in table:
+            pool.free(block)
+
+    def free_cross(self, group: SequenceGroup) -> None:
+        table = self.cross_block_tables.pop(group.request_id, None)
+        if table is None:
+            return
+        pool = self.swap if group.request_id in self._swapped_cross else self.device
+        self._swapped_cross.discard(group.request_id)
+        for block in table:
+            pool.free(block)
+
+    def free_group(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            self.free(seq)
+        self.free_cross(group)
+
+    def reset(self) -> None:
+        self.device.reset()
+        self.swap.reset()
+        self.block_tables.clear()
+        self.cross_block_tables.clear()
+        self._swapped_seqs.clear()
+        self._swapped_cross.clear()

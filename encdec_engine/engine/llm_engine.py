@@ -1,0 +1,187 @@
+"""The engine: requests in, one scheduler step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from encdec_engine.config import EngineConfig
+from encdec_engine.engine.block_manager import BlockManager, blocks_for
+from encdec_engine.engine.detokenizer import Detokenizer
+from encdec_engine.engine.loader import LoadedModel, load_model
+from encdec_engine.engine.scheduler import Scheduler, SchedulerConfig
+from encdec_engine.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.inputs.preprocess import InputProcessor
+from encdec_engine.inputs.prompts import PromptType
+from encdec_engine.outputs import CompletionOutput, RequestOutput
+from encdec_engine.sampling_params import SamplingParams
+from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
+from encdec_engine.worker.model_runner import ModelRunner
+
+_GiB = 1 << 30
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded: LoadedModel = load_model(config)
+        self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
+        self.generation_config = loaded.generation_config
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.eos_token_id = loaded.eos_token_id
+        self.max_decoder_len = min(config.max_model_len or loaded.max_decoder_len, loaded.max_decoder_len)
+
+        spec, bs = self.model.kv_cache_spec, config.block_size
+        per_block = bytes_per_block(spec, bs, self.dtype)
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_space_gb * _GiB // per_block))
+        num_swap = int(config.swap_space_gb * _GiB // per_block)
+        self.block_manager = BlockManager(bs, num_blocks, num_swap)
+        budget = config.max_num_batched_tokens or max(16384, loaded.max_encoder_len + self.max_decoder_len)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget), self.block_manager)
+        self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, loaded.backend, self.cache_engine, bs, self.device,
+                                  self.eos_token_id, config.seed)
+        self.input_processor = InputProcessor(
+            self.model, self.tokenizer, loaded.vocab_size, self.max_decoder_len, loaded.max_encoder_len,
+            loaded.decoder_start_token_id, loaded.default_decoder_prompt, self.eos_token_id,
+        )
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.groups: dict[str, SequenceGroup] = {}
+        self._seq_ids = itertools.count()
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "generated_tokens": 0, "encoder_runs": 0}
+
+    # -- requests ------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; a bad one raises ValueError and leaves the engine untouched."""
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if params.use_beam_search:
+            raise ValueError("beam search (num_beams > 1) is not supported yet")
+        inputs = self.input_processor.process(prompt, params)
+        self._check_fits(inputs.decoder_token_ids, inputs.encoder_seq, params)
+        seqs = [Sequence(next(self._seq_ids), inputs.decoder_token_ids, inputs.decoder_prompt)
+                for _ in range(params.best_of)]
+        group = SequenceGroup(request_id, seqs, params, arrival_time or time.monotonic(), inputs.encoder_seq)
+        self.groups[request_id] = group
+        self.scheduler.add(group)
+
+    def _check_fits(self, decoder_ids: list[int], encoder_seq, params: SamplingParams) -> None:
+        bs, total = self.config.block_size, self.block_manager.num_total_device_blocks
+        cross = blocks_for(encoder_seq.num_positions, bs) if encoder_seq is not None else 0
+        need = cross + params.best_of * blocks_for(len(decoder_ids) + 1, bs)
+        if need > total:
+            raise ValueError(f"request needs {need} KV blocks ({cross} cross) but the pool has only {total}; "
+                             "raise num_kv_blocks / kv_cache_space_gb or shorten the prompt")
+        if encoder_seq is not None and encoder_seq.num_positions + len(decoder_ids) > self.scheduler.config.max_num_batched_tokens:
+            raise ValueError(f"prompt needs {encoder_seq.num_positions + len(decoder_ids)} prefill positions, more than "
+                             f"max_num_batched_tokens={self.scheduler.config.max_num_batched_tokens}")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is; its self and cross blocks are freed at once."""
+        group = self.scheduler.abort(request_id)
+        group = self.groups.pop(request_id, group)
+        return self._output(group) if group is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        metadata, out = self.scheduler.schedule()
+        outputs = [self._finish_ignored(g) for g in out.ignored]
+        self.cache_engine.swap_out(out.blocks_to_swap_out)
+        self.cache_engine.swap_in(out.blocks_to_swap_in)
+        self.cache_engine.copy(out.blocks_to_copy)
+        if out.is_empty:
+            return outputs
+        self.stats["prefill_steps" if out.is_prompt else "decode_steps"] += 1
+        if out.is_prompt:
+            self.stats["encoder_runs"] += sum(1 for g in out.groups if g.encoder_seq is not None)
+        now = time.monotonic()
+        for row, sample in self.runner.execute(metadata, out.is_prompt):
+            group = row.group.group
+            seq = next(s for s in group.seqs if s.seq_id == row.seq_id)
+            seq.data.num_computed_tokens = len(seq)
+            seq.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
+            self._check_stop(seq, group.sampling_params)
+            if group.first_token_time is None:
+                group.first_token_time = now
+        self.stats["generated_tokens"] += sum(len(m.seq_data) for m in metadata)
+        self.scheduler.free_finished()
+        for group in out.groups:
+            if group.is_finished():
+                group.finished_time = time.monotonic()
+                self.groups.pop(group.request_id, None)
+            outputs.append(self._output(group))
+        return outputs
+
+    def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
+        self.groups.pop(group.request_id, None)
+        return self._output(group)
+
+    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
+        token = seq.output_token_ids[-1]
+        delta = ""
+        if self.detokenizer is not None:
+            delta = self.detokenizer.step(seq, params.skip_special_tokens)
+        num_out = len(seq.output_token_ids)
+        if num_out >= params.min_tokens:
+            if token == self.eos_token_id and not params.ignore_eos:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if token in params.stop_token_ids:
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+                return
+            if params.stop and delta and self._hit_stop_string(seq, params, len(delta)):
+                return
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or len(seq) >= self.max_decoder_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    @staticmethod
+    def _hit_stop_string(seq: Sequence, params: SamplingParams, delta_len: int) -> bool:
+        text = seq.output_text
+        for stop in params.stop:
+            idx = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
+            if idx >= 0:
+                seq.output_text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+                return True
+        return False
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.sampling_params
+        seqs = group.seqs
+        if group.is_finished() and params.best_of > params.n:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        outputs = [
+            CompletionOutput(
+                index=i, text=s.output_text, token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if params.logprobs is not None else None,
+                logprobs=list(s.output_logprobs) if params.logprobs is not None else None,
+                finish_reason=s.status.finish_reason, stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(seqs)
+        ]
+        first = group.seqs[0]
+        enc = group.encoder_seq
+        metrics = {"arrival_time": group.arrival_time}
+        if group.first_token_time is not None:
+            metrics["first_token_time"] = group.first_token_time
+        if group.finished_time is not None:
+            metrics["finished_time"] = group.finished_time
+        return RequestOutput(
+            request_id=group.request_id, prompt=first.prompt, prompt_token_ids=list(first.data.prompt_token_ids),
+            encoder_prompt=enc.prompt if enc else None,
+            encoder_prompt_token_ids=list(enc.prompt_token_ids) if enc and enc.prompt_token_ids else None,
+            outputs=outputs, finished=group.is_finished(), metrics=metrics,
+        )
+
+    # -- introspection -------------------------------------------------------
+    def num_free_blocks(self) -> tuple[int, int]:
+        """(free device blocks, free swap blocks)."""
+        return self.block_manager.get_num_free_device_blocks(), self.block_manager.get_num_free_swap_blocks()
+
+    def num_total_blocks(self) -> tuple[int, int]:
+        return self.block_manager.num_total_device_blocks, self.block_manager.num_total_swap_blocks

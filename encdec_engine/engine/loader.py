@@ -1,0 +1,99 @@
+"""Loading a checkpoint: config, tokenizer, generation config, weights, attention backend."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
+from encdec_engine.config import EngineConfig
+from encdec_engine.models.registry import resolve_model_class
+from encdec_engine.models.weights import iter_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    hf_config: Any
+    generation_config: Any
+    backend: Any
+    vocab_size: int
+    max_decoder_len: int
+    max_encoder_len: int
+    decoder_start_token_id: int | None
+    default_decoder_prompt: list[int] | None
+    eos_token_id: int | None
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local checkpoint folder, or a hub id downloaded (when the network allows)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model {model!r} is not a checkpoint folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as e:  # offline, unknown id, ...
+        raise FileNotFoundError(f"model {model!r} is neither a local folder nor a reachable hub id: {e}") from e
+
+
+def make_backend(config: EngineConfig, device: torch.device):
+    name = config.attention_backend
+    if name == "xformers" or (name == "auto" and device.type == "cuda"):
+        try:
+            from encdec_engine.attention.backends.xformers_backend import XFormersBackend
+
+            return XFormersBackend(config.block_size)
+        except ImportError as e:
+            if name == "xformers":
+                raise ValueError(f"attention_backend='xformers' is unavailable: {e}") from e
+            logger.warning("xformers backend unavailable (%s); using the torch backend", e)
+    return TorchSDPABackend(config.block_size)
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    path = resolve_model_path(config.model)
+    hf_config = AutoConfig.from_pretrained(path)
+    tokenizer = None
+    if not config.skip_tokenizer_init:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer) if config.tokenizer else path)
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation_config = GenerationConfig.from_model_config(hf_config)
+
+    device, dtype = config.torch_device, config.torch_dtype
+    backend = make_backend(config, device)
+    cls = resolve_model_class(hf_config)
+    # Build without initializing weights: every parameter is overwritten by the checkpoint.
+    with torch.device("meta"):
+        model = cls(hf_config, backend)
+    model = model.to_empty(device="cpu")
+    for buf in model.buffers():
+        buf.zero_()
+    model.load_weights(iter_checkpoint(path))
+    model = model.to(device=device, dtype=dtype).eval()
+
+    eos = hf_config.eos_token_id
+    if isinstance(eos, list):
+        eos = eos[0]
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, hf_config=hf_config, generation_config=generation_config,
+        backend=backend, vocab_size=hf_config.vocab_size, max_decoder_len=model.max_decoder_len,
+        max_encoder_len=model.max_encoder_len,
+        decoder_start_token_id=getattr(hf_config, "decoder_start_token_id", None) if model.is_encoder_decoder else None,
+        default_decoder_prompt=model.default_decoder_prompt() if model.is_encoder_decoder else None,
+        eos_token_id=eos,
+    )

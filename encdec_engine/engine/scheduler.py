@@ -1,0 +1,207 @@
+"""Continuous batching: waiting / running / swapped queues under token and sequence budgets.
+
+A step is either a prefill step (new or recomputed requests: encoder plus
+decoder prompt) or a decode step (one token for every running sequence).
+Prefills go first, so requests that arrive while others decode join the
+running batch at the next step. When the KV pool runs out during decode, the
+newest running group is preempted: swapped to the CPU pool when there is room
+and swapping is enabled, otherwise freed and recomputed later.
+
+The scheduler barely knows encoders exist: a group's cross blocks are
+allocated, swapped and freed with it, and an encoder's positions count
+against the prefill token budget.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from encdec_engine.engine.block_manager import AllocStatus, BlockManager
+from encdec_engine.engine.sequence import SequenceGroup, SequenceGroupMetadata, SequenceStatus
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = enum.auto()
+    SWAP = enum.auto()
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_batched_tokens: int = 16384  # decoder + encoder positions in one prefill step
+    preemption_mode: PreemptionMode | None = None  # None: swap when possible, else recompute
+
+
+@dataclass
+class SchedulerOutput:
+    groups: list[SequenceGroup] = field(default_factory=list)
+    is_prompt: bool = False
+    num_batched_tokens: int = 0
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    ignored: list[SequenceGroup] = field(default_factory=list)  # can never fit: finished with an error
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.groups
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = 0
+
+    # -- queue management ----------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Remove a request wherever it is and free its self and cross blocks at once."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.unfinished_seqs():
+                        seq.status = SequenceStatus.FINISHED_ABORTED
+                    self.block_manager.free_group(group)
+                    return group
+        return None
+
+    def free_finished(self) -> list[SequenceGroup]:
+        """Drop finished groups from the running queue, freeing their blocks."""
+        done = [g for g in self.running if g.is_finished()]
+        if done:
+            self.running = [g for g in self.running if not g.is_finished()]
+            for group in done:
+                self.block_manager.free_group(group)
+        return done
+
+    # -- scheduling ----------------------------------------------------------
+    def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutput]:
+        out = SchedulerOutput()
+        if not self.swapped:
+            self._schedule_prefills(out)
+        if out.is_empty:
+            self._schedule_decodes(out)
+        return [self._metadata(g, out.is_prompt) for g in out.groups], out
+
+    def _prefill_cost(self, group: SequenceGroup) -> int:
+        cost = sum(s.num_new_tokens for s in group.get_seqs(SequenceStatus.WAITING))
+        if group.encoder_seq is not None:
+            cost += group.encoder_seq.num_positions
+        return cost
+
+    def _schedule_prefills(self, out: SchedulerOutput) -> None:
+        num_seqs = sum(g.num_unfinished_seqs() for g in self.running)
+        while self.waiting:
+            group = self.waiting[0]
+            cost = self._prefill_cost(group)
+            status = self.block_manager.can_allocate(group)
+            if status == AllocStatus.NEVER or cost > self.config.max_num_batched_tokens:
+                self.waiting.popleft()
+                for seq in group.unfinished_seqs():
+                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+                out.ignored.append(group)
+                continue
+            n = group.num_unfinished_seqs()
+            if (
+                status == AllocStatus.LATER
+                or out.num_batched_tokens + cost > self.config.max_num_batched_tokens
+                or num_seqs + n > self.config.max_num_seqs
+            ):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(group)
+            for seq in group.get_seqs(SequenceStatus.WAITING):
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            out.groups.append(group)
+            out.num_batched_tokens += cost
+            num_seqs += n
+        out.is_prompt = bool(out.groups)
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        self._swap_in(out)
+        running: list[SequenceGroup] = []
+        queue = deque(self.running)
+        while queue:
+            group = queue.popleft()
+            while not self.block_manager.can_append_slots(group):
+                # Preempt the newest group; if that is this one, stop here.
+                victim = queue.pop() if queue else group
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                running.append(group)
+        # Beyond max_num_seqs, later groups simply wait for the next step.
+        scheduled, num_seqs = [], 0
+        for group in running:
+            n = len(group.get_seqs(SequenceStatus.RUNNING))
+            if num_seqs + n > self.config.max_num_seqs:
+                continue
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                copy = self.block_manager.append_slots(seq)
+                if copy is not None:
+                    out.blocks_to_copy.append(copy)
+            scheduled.append(group)
+            num_seqs += n
+        self.running = running
+        out.groups = scheduled
+        out.num_batched_tokens = num_seqs
+
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            if self.block_manager.can_swap_in(group) != AllocStatus.OK:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.update(self.block_manager.swap_in(group))
+            for seq in group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        mode = self.config.preemption_mode
+        if mode is None:
+            can_swap = self.block_manager.num_total_swap_blocks and self.block_manager.can_swap_out(group)
+            mode = PreemptionMode.SWAP if can_swap else PreemptionMode.RECOMPUTE
+        if mode == PreemptionMode.SWAP and self.block_manager.can_swap_out(group):
+            out.blocks_to_swap_out.update(self.block_manager.swap_out(group))
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            return
+        self.block_manager.free_group(group)
+        for seq in group.unfinished_seqs():
+            seq.reset_for_recompute()
+        self.waiting.appendleft(group)
+
+    def _metadata(self, group: SequenceGroup, is_prompt: bool) -> SequenceGroupMetadata:
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        return SequenceGroupMetadata(
+            request_id=group.request_id,
+            is_prompt=is_prompt,
+            seq_data={s.seq_id: s.data for s in seqs},
+            sampling_params=group.sampling_params,
+            block_tables={s.seq_id: self.block_manager.get_block_table(s) for s in seqs},
+            encoder_seq_data=group.encoder_seq,
+            cross_block_table=self.block_manager.get_cross_block_table(group),
+            group=group,
+        )

@@ -1,0 +1,164 @@
+"""Sequences, the groups a request is made of, and what the runner sees of them.
+
+A request is one `SequenceGroup`: one or more decoder `Sequence`s (n > 1,
+beam search) that share one `EncoderSequence`. The encoder sequence is static
+after prefill; its `num_positions` is how many cross-attention KV slots it
+needs (its tokens for BART, frames after the conv stride for Whisper).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from encdec_engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            SequenceStatus.FINISHED_STOPPED: "stop",
+            SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+            SequenceStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass
+class SequenceData:
+    """Token ids of one decoder sequence and how many of them sit in the KV cache."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose self-attention KV is cached
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+
+@dataclass
+class EncoderSequence:
+    """The encoder input of a request: token ids (text) or features (audio)."""
+
+    num_positions: int  # encoder output positions = cross-attention KV slots
+    prompt_token_ids: list[int] | None = None
+    prompt: str | None = None
+    features: Any = None  # e.g. a log-mel tensor [n_mels, n_frames] for Whisper
+
+
+class Sequence:
+    """One decoder sequence: its tokens, status, logprob and detokenized text."""
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], prompt: str | None = None) -> None:
+        self.seq_id = seq_id
+        self.data = SequenceData(list(prompt_token_ids))
+        self.prompt = prompt
+        self.status = SequenceStatus.WAITING
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[dict[int, float]] = []
+        self.output_text = ""
+        self.stop_reason: int | str | None = None
+        # Incremental detokenizer state (see engine/detokenizer.py).
+        self.tokens: list[str] | None = None
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.data.output_token_ids
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the next forward pass must feed for this sequence."""
+        return len(self.data) - self.data.num_computed_tokens
+
+    def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None) -> None:
+        self.data.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            self.output_logprobs.append(top_logprobs)
+
+    def reset_for_recompute(self) -> None:
+        """Forget the cache: the next prefill recomputes prompt and outputs."""
+        self.data.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+
+class SequenceGroup:
+    """All sequences of one request, sharing its encoder sequence and sampling params."""
+
+    def __init__(
+        self,
+        request_id: str,
+        seqs: list[Sequence],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        encoder_seq: EncoderSequence | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.seqs = seqs
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.encoder_seq = encoder_seq
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.generator: Any = None  # torch.Generator of a seeded request, made by the runner
+        self.processor_state: dict[str, Any] = {}  # logits processors' per-request state
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [s for s in self.seqs if s.status == status]
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished()]
+
+    def is_finished(self) -> bool:
+        return all(s.is_finished() for s in self.seqs)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.encoder_seq is not None
+
+    def num_unfinished_seqs(self) -> int:
+        return len(self.unfinished_seqs())
+
+
+@dataclass
+class SequenceGroupMetadata:
+    """What the model runner needs of one scheduled group for one step."""
+
+    request_id: str
+    is_prompt: bool  # prefill step (encoder + decoder prompt) or decode step
+    seq_data: dict[int, SequenceData]  # decoder seq id -> its tokens
+    sampling_params: SamplingParams
+    block_tables: dict[int, list[int]]  # decoder seq id -> self-attention blocks
+    encoder_seq_data: EncoderSequence | None = None
+    cross_block_table: list[int] | None = None  # the group's cross-attention blocks
+    group: SequenceGroup | None = None  # for sampler state (generator, processors)

@@ -1,0 +1,116 @@
+"""From a prompt of any format to validated decoder tokens and an encoder sequence.
+
+Encoder/decoder models: the singleton (or explicit encoder) prompt feeds the
+encoder; the decoder gets the model's default decoder prompt (BART:
+`[decoder_start, bos]`) unless an explicit decoder prompt is given, which is
+then prefixed with the decoder start token unless already first. A text
+decoder prompt is tokenized with the tokenizer's special tokens minus a
+trailing EOS, since the decoder continues it.
+
+Decoder-only models: the singleton prompt is the decoder prompt, and an
+explicit encoder/decoder prompt is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from encdec_engine.engine.sequence import EncoderSequence
+from encdec_engine.inputs.prompts import ParsedSingleton, PromptType, parse_prompt
+from encdec_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ProcessedInputs:
+    decoder_token_ids: list[int]
+    decoder_prompt: str | None
+    encoder_seq: EncoderSequence | None
+
+
+class InputProcessor:
+    def __init__(self, model, tokenizer, vocab_size: int, max_decoder_len: int, max_encoder_len: int,
+                 decoder_start_token_id: int | None, default_decoder_prompt: list[int] | None,
+                 eos_token_id: int | None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_decoder_len = max_decoder_len
+        self.max_encoder_len = max_encoder_len
+        self.decoder_start_token_id = decoder_start_token_id
+        self.default_decoder_prompt = default_decoder_prompt
+        self.eos_token_id = eos_token_id
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.model.is_encoder_decoder
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedInputs:
+        parsed = parse_prompt(prompt)
+        if not self.is_encoder_decoder:
+            if parsed.explicit:
+                raise ValueError("explicit encoder/decoder prompts need an encoder/decoder model; "
+                                 "this model is decoder-only, pass a single prompt")
+            ids = self._tokens(parsed.primary, "prompt", add_special_tokens=True, drop_eos=False)
+            ids = self._truncate(ids, params, "prompt", self.max_decoder_len)
+            self._check_decoder(ids, "prompt")
+            return ProcessedInputs(ids, parsed.primary.text, None)
+
+        encoder_seq = self.encoder_sequence(parsed.primary, params)
+        if parsed.decoder is None:
+            ids, text = list(self.default_decoder_prompt or []), None
+        else:
+            ids = self._tokens(parsed.decoder, "decoder_prompt", add_special_tokens=True, drop_eos=True)
+            text = parsed.decoder.text
+        start = self.decoder_start_token_id
+        if start is not None and (not ids or ids[0] != start):
+            ids = [start] + ids
+        self._check_decoder(ids, "decoder_prompt")
+        return ProcessedInputs(ids, text, encoder_seq)
+
+    def encoder_sequence(self, prompt: ParsedSingleton, params: SamplingParams) -> EncoderSequence:
+        ids = self._tokens(prompt, "encoder prompt", add_special_tokens=True, drop_eos=False)
+        ids = self._truncate(ids, params, "encoder prompt", self.max_encoder_len)
+        return EncoderSequence(num_positions=self.model.encoder_num_positions(len(ids)), prompt_token_ids=ids,
+                               prompt=prompt.text)
+
+    # -- helpers -------------------------------------------------------------
+    def _tokens(self, prompt: ParsedSingleton, what: str, add_special_tokens: bool, drop_eos: bool) -> list[int]:
+        if prompt.kind == "tokens":
+            ids = list(prompt.token_ids)
+        else:
+            if prompt.text == "" or prompt.text is None:
+                raise ValueError(f"{what} is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"{what}: text prompts need a tokenizer (skip_tokenizer_init=True was set); "
+                                 "pass prompt_token_ids instead")
+            ids = self.tokenizer(prompt.text, add_special_tokens=add_special_tokens)["input_ids"]
+            if drop_eos and len(ids) > 1 and ids[-1] == self.eos_token_id:
+                ids = ids[:-1]
+        if not ids:
+            raise ValueError(f"{what} is empty")
+        bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what}: token id {bad[1]} at index {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return ids
+
+    @staticmethod
+    def _truncate(ids: list[int], params: SamplingParams, what: str, limit: int) -> list[int]:
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-min(params.truncate_prompt_tokens, limit):]
+        if len(ids) > limit:
+            raise ValueError(f"{what} has {len(ids)} tokens, more than the model's limit of {limit}; "
+                             f"shorten it or set SamplingParams(truncate_prompt_tokens={limit})")
+        return ids
+
+    def _check_decoder(self, ids: list[int], what: str) -> None:
+        if len(ids) >= self.max_decoder_len:
+            raise ValueError(f"{what} has {len(ids)} tokens, leaving no room to generate within the decoder's "
+                             f"limit of {self.max_decoder_len} positions")
+
+
+def describe_prompt(prompt: Any) -> str:
+    """A short description of a prompt for error messages."""
+    text = repr(prompt)
+    return text if len(text) <= 60 else text[:57] + "..."

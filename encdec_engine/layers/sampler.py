@@ -1,0 +1,53 @@
+"""From logits to one token per row: processors, then greedy or seeded random sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from encdec_engine.layers.logits_processors import SamplingRow, apply_processors, apply_top_k_top_p_min_p
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float  # log-probability under the processed distribution (before temperature)
+    top_logprobs: dict[int, float] | None  # sampled token + the top-k, when logprobs were asked for
+
+
+class Sampler:
+    """Samples one token per row. Random rows draw with the exponential-race trick
+    (argmax of p / Exp(1)), which equals multinomial sampling and takes a
+    per-request generator, so a seeded request gives the same tokens whatever
+    else shares its batch."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator  # for unseeded random rows
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        logits = logits.float()  # [num_rows, vocab]
+        apply_processors(logits, rows)
+        logprobs = logits.log_softmax(dim=-1)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sub = apply_top_k_top_p_min_p(logits[idx], [rows[i] for i in random_rows])
+            probs = sub.softmax(dim=-1)
+            race = torch.empty_like(probs)
+            for j, i in enumerate(random_rows):
+                race[j].exponential_(generator=rows[i].generator or self.generator)
+            token_ids[idx] = (probs / race).argmax(dim=-1)
+        chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
+        token_list = token_ids.tolist()
+        results = []
+        for i, row in enumerate(rows):
+            top = None
+            if row.params.logprobs is not None:
+                top = {token_list[i]: chosen[i]}
+                if row.params.logprobs > 0:
+                    values, ids = logprobs[i].topk(row.params.logprobs)
+                    top.update(zip(ids.tolist(), values.tolist()))
+            results.append(SampleResult(token_list[i], chosen[i], top))
+        return results

@@ -1,0 +1,125 @@
+"""The offline Python API: `LLM.generate` and `LLM.summarize`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from encdec_engine.config import EngineConfig
+from encdec_engine.engine.llm_engine import LLMEngine
+from encdec_engine.inputs.prompts import PromptType
+from encdec_engine.outputs import RequestOutput
+from encdec_engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a checkpoint once, then run batches of requests through the engine.
+
+    >>> llm = LLM(model="path/to/bart")
+    >>> outs = llm.generate(["A long document ..."], SamplingParams(temperature=0.0, max_tokens=64))
+    >>> outs[0].outputs[0].text
+    """
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        All prompts are validated before any runs: a bad one raises ValueError
+        naming its index, and the engine stays ready for the next call.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm)
+
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"{next(self._request_ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+                try:
+                    engine.add_request(rid, prompt, p)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from e
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                engine.abort_request(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id not in finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in finished:
+                    engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in ids]
+
+    def summarize(self, texts: str | Sequence[str], use_tqdm: bool = False, **overrides) -> list[str]:
+        """Summaries with the checkpoint's generation config (max/min length, no-repeat n-grams,
+        forced BOS/EOS); `overrides` replace SamplingParams fields."""
+        if isinstance(texts, str):
+            texts = [texts]
+        params = summarization_params(self.engine, **overrides)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("summarize needs a tokenizer (skip_tokenizer_init=True was set)")
+        limit = self.engine.input_processor.max_encoder_len
+        prompts = [{"prompt_token_ids": tok(t, truncation=True, max_length=limit)["input_ids"]} for t in texts]
+        for i, t in enumerate(texts):
+            if not t.strip():
+                raise ValueError(f"text {i} is empty")
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [o.outputs[0].text.strip() for o in outs]
+
+
+def summarization_params(engine: LLMEngine, **overrides) -> SamplingParams:
+    """Map the checkpoint's HF generation config onto SamplingParams.
+
+    HF counts `max_length`/`min_length` over the whole decoder sequence, which
+    starts with the decoder start token; our decoder prompt also holds the BOS
+    that HF forces as its first generated token, so both shift by the prompt.
+    """
+    gc = engine.generation_config
+    prompt_len = len(engine.input_processor.default_decoder_prompt or [1])
+    forced_bos = getattr(gc, "forced_bos_token_id", None)
+    shift = prompt_len - 1 if forced_bos is not None or prompt_len > 1 else 0
+    max_length = getattr(gc, "max_length", None) or 142
+    min_length = getattr(gc, "min_length", 0) or 0
+    fields = dict(
+        temperature=0.0,
+        max_tokens=max(1, max_length - 1 - shift),
+        min_tokens=max(0, min_length - 1 - shift),
+        no_repeat_ngram_size=getattr(gc, "no_repeat_ngram_size", 0) or 0,
+        repetition_penalty=getattr(gc, "repetition_penalty", 1.0) or 1.0,
+        forced_eos_token_id=getattr(gc, "forced_eos_token_id", None),
+    )
+    fields.update(overrides)
+    return SamplingParams(**fields)

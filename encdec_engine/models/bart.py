@@ -1,0 +1,175 @@
+"""BART (BartForConditionalGeneration) over the engine's paged attention.
+
+Post-norm encoder/decoder with learned positions (offset 2), optional
+sqrt(d_model) embedding scale, tied output embeddings and a final logits
+bias. Self-attention q/k/v and cross-attention k/v are fused into one
+projection each; `load_weights` maps Hugging Face names onto them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from encdec_engine.attention.backends.base import AttentionBackend
+from encdec_engine.attention.layer import Attention
+from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
+from encdec_engine.layers.activation import get_activation
+from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
+from encdec_engine.models.weights import WeightLoader
+
+_POSITION_OFFSET = 2  # BART's learned positions start at index 2
+
+
+class BartAttention(nn.Module):
+    def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType, backend: AttentionBackend) -> None:
+        super().__init__()
+        head_dim = d_model // num_heads
+        if head_dim * num_heads != d_model:
+            raise ValueError(f"d_model {d_model} is not divisible by {num_heads} heads")
+        self.attn_type = attn_type
+        if attn_type == AttentionType.ENCODER_DECODER:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.attn = Attention(num_heads, head_dim, head_dim**-0.5, attn_type, backend)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, d_model]
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+        encoder_hidden: torch.Tensor | None = None,  # [num_encoder_tokens, d_model], prefill only
+    ) -> torch.Tensor:
+        if self.attn_type == AttentionType.ENCODER_DECODER:
+            q = self.q_proj(hidden)
+            k = v = None
+            if encoder_hidden is not None:
+                k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)
+        else:
+            q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
+        return self.out_proj(self.attn(q, k, v, kv_cache, metadata))
+
+
+class BartLayer(nn.Module):
+    """One encoder layer, or (with cross-attention) one decoder layer."""
+
+    def __init__(self, config, backend: AttentionBackend, is_decoder: bool) -> None:
+        super().__init__()
+        d = config.d_model
+        heads = config.decoder_attention_heads if is_decoder else config.encoder_attention_heads
+        ffn = config.decoder_ffn_dim if is_decoder else config.encoder_ffn_dim
+        self.self_attn = BartAttention(d, heads, AttentionType.DECODER if is_decoder else AttentionType.ENCODER,
+                                       backend)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = BartAttention(d, heads, AttentionType.ENCODER_DECODER, backend) if is_decoder else None
+        self.encoder_attn_layer_norm = nn.LayerNorm(d) if is_decoder else None
+        self.fc1 = nn.Linear(d, ffn)
+        self.fc2 = nn.Linear(ffn, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.act = get_activation(config.activation_function)
+
+    def forward(self, hidden, kv_cache, metadata, encoder_hidden=None) -> torch.Tensor:
+        hidden = self.self_attn_layer_norm(hidden + self.self_attn(hidden, kv_cache, metadata))
+        if self.encoder_attn is not None:
+            cross = self.encoder_attn(hidden, kv_cache, metadata, encoder_hidden)
+            hidden = self.encoder_attn_layer_norm(hidden + cross)
+        return self.final_layer_norm(hidden + self.fc2(self.act(self.fc1(hidden))))
+
+
+class BartStack(nn.Module):
+    def __init__(self, config, backend: AttentionBackend, is_decoder: bool) -> None:
+        super().__init__()
+        num_layers = config.decoder_layers if is_decoder else config.encoder_layers
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + _POSITION_OFFSET, config.d_model)
+        self.layernorm_embedding = nn.LayerNorm(config.d_model)
+        self.layers = nn.ModuleList(BartLayer(config, backend, is_decoder) for _ in range(num_layers))
+
+    def forward(self, embeds, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:
+        hidden = self.layernorm_embedding(embeds + self.embed_positions(positions + _POSITION_OFFSET))
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, kv_caches[i] if kv_caches else None, metadata, encoder_hidden)
+        return hidden
+
+
+class BartForConditionalGeneration(nn.Module):
+    is_encoder_decoder = True
+
+    def __init__(self, config, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = BartStack(config, backend, is_decoder=False)
+        self.decoder = BartStack(config, backend, is_decoder=True)
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.register_buffer("final_logits_bias", torch.zeros(config.vocab_size))
+
+    @property
+    def max_decoder_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def max_encoder_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    def default_decoder_prompt(self) -> list[int]:
+        """HF starts from the decoder start token and forces BOS next: [2, 0] for BART."""
+        return [self.config.decoder_start_token_id, self.config.bos_token_id]
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        heads = self.config.decoder_attention_heads
+        return KVCacheSpec(self.config.decoder_layers, heads, self.config.d_model // heads)
+
+    def encoder_num_positions(self, num_tokens: int) -> int:
+        return num_tokens
+
+    def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
+        """[num_encoder_tokens] ids -> [num_encoder_tokens, d_model] hidden states."""
+        embeds = self.shared(inputs.input_ids) * self.embed_scale
+        return self.encoder(embeds, inputs.positions, None, metadata)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],  # one per decoder layer
+        metadata: AttentionMetadata,
+        encoder_hidden: torch.Tensor | None = None,  # prefill only
+    ) -> torch.Tensor:  # [num_tokens, d_model]
+        embeds = self.shared(input_ids) * self.embed_scale
+        return self.decoder(embeds, positions, kv_caches, metadata, encoder_hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
+        weight = self.shared.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight) + self.final_logits_bias
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self)
+        loader.alias("encoder.embed_tokens.weight", "shared.weight")
+        loader.alias("decoder.embed_tokens.weight", "shared.weight")
+        if self.tie_word_embeddings:
+            loader.alias("lm_head.weight", "shared.weight")
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "final_logits_bias":
+                tensor = tensor.reshape(-1)
+            for proj, shard in (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)):
+                if f"self_attn.{proj}." in name:
+                    name = name.replace(f"self_attn.{proj}.", "self_attn.qkv_proj.")
+                    loader.load_shard(name, tensor, shard, 3)
+                    break
+                if f"encoder_attn.{proj}." in name and proj != "q_proj":
+                    name = name.replace(f"encoder_attn.{proj}.", "encoder_attn.kv_proj.")
+                    loader.load_shard(name, tensor, shard - 1, 2)
+                    break
+            else:
+                loader.load(name, tensor)
+        loader.finish(optional={"final_logits_bias"})

@@ -1,0 +1,52 @@
+"""What the model runner expects of a model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from encdec_engine.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int  # decoder layers with a paged cache (self and cross share it)
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class EncoderInputs:
+    """Flat encoder inputs of a prefill step: token ids (text) or features (audio)."""
+
+    input_ids: torch.Tensor | None = None  # [num_encoder_tokens]
+    positions: torch.Tensor | None = None  # [num_encoder_tokens]
+    features: torch.Tensor | None = None  # [num_requests, n_mels, n_frames]
+
+
+class Model(Protocol):
+    is_encoder_decoder: bool
+    kv_cache_spec: KVCacheSpec
+
+    def encoder_num_positions(self, num_inputs: int) -> int:
+        """Encoder output positions (= cross KV slots) for an input of this length."""
+
+    def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
+        """[num_encoder_positions, hidden] for the flat batch of encoder inputs."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        encoder_hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[num_tokens, hidden] decoder states for the flat batch."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...

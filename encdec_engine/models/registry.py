@@ -1,0 +1,27 @@
+"""Which of our model classes serves a Hugging Face architecture."""
+
+from __future__ import annotations
+
+import importlib
+
+# HF architecture name -> (module under encdec_engine.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
+    "BartModel": ("bart", "BartForConditionalGeneration"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_class(hf_config) -> type:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs and getattr(hf_config, "model_type", None) == "bart":
+        archs = ["BartForConditionalGeneration"]
+    for arch in archs:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(f"encdec_engine.models.{module}"), name)
+    raise ValueError(f"unsupported model architecture {archs or hf_config.model_type!r}; "
+                     f"supported: {', '.join(supported_architectures())}")

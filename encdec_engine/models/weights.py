@@ -1,0 +1,104 @@
+"""Reading Hugging Face checkpoints (safetensors or .bin) into our modules."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every weight of a checkpoint folder."""
+    folder = Path(folder)
+    files = _weight_files(folder, "model.safetensors", ".safetensors")
+    if files:
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    files = _weight_files(folder, "pytorch_model.bin", ".bin")
+    if not files:
+        raise FileNotFoundError(f"{folder}: no model.safetensors or pytorch_model.bin weights found")
+    for file in files:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def _weight_files(folder: Path, single: str, suffix: str) -> list[Path]:
+    if (folder / single).is_file():
+        return [folder / single]
+    index = folder / f"{single}.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    return sorted(p for p in folder.glob(f"*{suffix}") if p.is_file())
+
+
+class WeightLoader:
+    """Copies checkpoint tensors into a module's parameters and buffers, strictly.
+
+    Every parameter must be loaded (bar `optional` ones) and every checkpoint
+    tensor must land somewhere, so a wrong mapping fails loudly instead of
+    leaving random weights behind.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.targets = dict(module.named_parameters()) | dict(module.named_buffers())
+        self.loaded: set[str] = set()
+        self.shards: dict[str, set[int]] = {}
+        self.aliases: dict[str, str] = {}
+        self.unexpected: list[str] = []
+
+    def alias(self, name: str, target: str) -> None:
+        """Checkpoint tensor `name` holds the same weight as our `target` (tied weights)."""
+        self.aliases[name] = target
+
+    def _target(self, name: str, shape: torch.Size) -> torch.Tensor | None:
+        name = self.aliases.get(name, name)
+        target = self.targets.get(name)
+        if target is None:
+            self.unexpected.append(name)
+        return target
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        target = self._target(name, tensor.shape)
+        if target is None:
+            return
+        if target.shape != tensor.shape:
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+        self.loaded.add(self.aliases.get(name, name))
+
+    def load_shard(self, name: str, tensor: torch.Tensor, shard: int, num_shards: int) -> None:
+        """Load one of `num_shards` equal row blocks of a fused weight (e.g. q of qkv)."""
+        target = self._target(name, tensor.shape)
+        if target is None:
+            return
+        rows = target.shape[0] // num_shards
+        if tensor.shape != (rows, *target.shape[1:]):
+            raise ValueError(f"weight {name} shard {shard}: shape {tuple(tensor.shape)} does not fit {tuple(target.shape)}")
+        with torch.no_grad():
+            target[shard * rows : (shard + 1) * rows].copy_(tensor)
+        done = self.shards.setdefault(name, set())
+        done.add(shard)
+        if len(done) == num_shards:
+            self.loaded.add(name)
+
+    def mark_loaded(self, name: str) -> None:
+        self.loaded.add(name)
+
+    def finish(self, optional: set[str] = frozenset()) -> None:
+        missing = sorted(set(self.targets) - self.loaded - set(optional))
+        problems = []
+        if missing:
+            problems.append(f"missing weights: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+        if self.unexpected:
+            problems.append(f"unexpected weights: {', '.join(self.unexpected[:10])}")
+        if problems:
+            raise ValueError("checkpoint does not match the model: " + "; ".join(problems))

@@ -1,0 +1,35 @@
+"""What a request gives back (vLLM's RequestOutput / CompletionOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None  # per token: {token_id: logprob}
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompts and its sequences so far."""
+
+    request_id: str
+    prompt: str | None  # decoder prompt text, when known
+    prompt_token_ids: list[int]  # decoder prompt tokens
+    encoder_prompt: str | None
+    encoder_prompt_token_ids: list[int] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)

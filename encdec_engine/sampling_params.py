@@ -1,0 +1,117 @@
+"""Sampling parameters of one request (vLLM names, Hugging Face semantics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request.
+
+    Field names follow vLLM; where a field also exists in Hugging Face
+    `generate` (repetition_penalty, no_repeat_ngram_size, the forced and
+    suppressed tokens, beam search) it behaves exactly as there, so greedy and
+    beam outputs match `generate` token for token.
+    """
+
+    n: int = 1  # sequences returned
+    best_of: int | None = None  # sequences sampled, the best `n` returned
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    min_p: float = 0.0
+    seed: int | None = None  # per-request generator: same seed, same tokens
+    max_tokens: int | None = 16  # new tokens; None: up to the model's length limit
+    min_tokens: int = 0  # EOS and stop_token_ids are banned before this many
+    stop: list[str] | str | None = None  # stop strings (not part of the output text)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0  # HF (CTRL) semantics over prompt + output
+    no_repeat_ngram_size: int = 0  # HF semantics over the decoder sequence
+    logprobs: int | None = None  # top-k logprobs per output token
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the last k encoder prompt tokens
+    # Hugging Face generation-config processors (used by summarize/transcribe).
+    forced_bos_token_id: int | None = None  # forced as the first generated token
+    forced_eos_token_id: int | None = None  # forced as the last token at max_tokens
+    suppress_tokens: list[int] | None = None  # banned at every step
+    begin_suppress_tokens: list[int] | None = None  # banned at the first step
+    # Beam search (HF semantics).
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        if self.n < 1:
+            fail("n", "must be at least 1")
+        if self.best_of < self.n:
+            fail("best_of", f"must be >= n ({self.n})")
+        if self.temperature < 0.0:
+            fail("temperature", "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "must be in (0, 1]")
+        if self.top_k < -1:
+            fail("top_k", "must be -1 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail("max_tokens", "must be at least 1")
+        if self.min_tokens < 0:
+            fail("min_tokens", "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.repetition_penalty <= 0.0:
+            fail("repetition_penalty", "must be positive")
+        if self.no_repeat_ngram_size < 0:
+            fail("no_repeat_ngram_size", "must be non-negative")
+        if self.logprobs is not None and self.logprobs < 0:
+            fail("logprobs", "must be non-negative")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            fail("truncate_prompt_tokens", "must be at least 1")
+        if self.num_beams < 1:
+            fail("num_beams", "must be at least 1")
+        if self.num_beams > 1:
+            if self.n > self.num_beams:
+                fail("n", f"must be <= num_beams ({self.num_beams}) in beam search")
+            if self.temperature not in (0.0, 1.0) or self.top_k != -1 or self.top_p != 1.0:
+                fail("num_beams", "supports deterministic beam search only (no temperature/top-k/top-p)")
+        if self.early_stopping not in (True, False, "never"):
+            fail("early_stopping", 'must be True, False or "never"')
+        if self.seed is not None and self.seed < 0:
+            fail("seed", "must be non-negative")
+        if any(t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.num_beams > 1
+
+    def all_stop_token_ids(self, eos_token_id: int | None) -> set[int]:
+        """Token ids that end a sequence (EOS unless ignored, plus stop_token_ids)."""
+        ids = set(self.stop_token_ids)
+        if eos_token_id is not None and not self.ignore_eos:
+            ids.add(eos_token_id)
+        return ids
+

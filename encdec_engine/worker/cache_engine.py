@@ -1,0 +1,71 @@
+"""The paged KV pool: one tensor per decoder layer, shared by self and cross attention.
+
+    kv_caches[layer]: [2 (k, v), num_blocks + 1, block_size, num_kv_heads, head_dim]
+
+Block 0 is the padding block (zero, never handed out). The optional swap pool
+has the same layout in CPU memory; the cache engine carries out the block
+moves and copy-on-write copies the scheduler asks for before each step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from encdec_engine.models.interface import KVCacheSpec
+
+
+def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:
+    """KV bytes one block holds across all decoder layers."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+
+
+class CacheEngine:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        block_size: int,
+        num_device_blocks: int,
+        num_swap_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        shape = (2, num_device_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
+        # torch.empty leaves untouched pages uncommitted; only the padding block must be zero.
+        self.kv_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        for cache in self.kv_caches:
+            cache[:, 0].zero_()
+        swap_shape = (2, num_swap_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        pin = device.type == "cuda"
+        self.swap_caches = (
+            [torch.empty(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(spec.num_layers)]
+            if num_swap_blocks
+            else []
+        )
+
+    def swap_out(self, mapping: dict[int, int]) -> None:
+        """Copy device blocks to swap blocks (device id -> swap id)."""
+        self._move(self.kv_caches, self.swap_caches, mapping)
+
+    def swap_in(self, mapping: dict[int, int]) -> None:
+        """Copy swap blocks back to device blocks (swap id -> device id)."""
+        self._move(self.swap_caches, self.kv_caches, mapping)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate device blocks (src -> dst) in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.kv_caches[0].device)
+        dst = torch.tensor([d for _, d in pairs], device=self.kv_caches[0].device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    @staticmethod
+    def _move(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], mapping: dict[int, int]) -> None:
+        if not mapping:
+            return
+        src_ids = torch.tensor(list(mapping.keys()))
+        dst_ids = torch.tensor(list(mapping.values()))
+        for src, dst in zip(src_caches, dst_caches):
+            dst[:, dst_ids.to(dst.device)] = src[:, src_ids.to(src.device)].to(dst.device)

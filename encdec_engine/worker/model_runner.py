@@ -1,0 +1,158 @@
+"""Turns scheduled groups into flat model inputs, runs the model and samples.
+
+Prefill and decode inputs are built by two functions. Both flatten the
+decoder sequences of the step in scheduling order, derive the token-level
+arrays with `prepare_token_arrays`, and describe each attention type with
+one `AttentionView`:
+
+- prefill: encoder (non-causal, block-diagonal over encoder lengths),
+  decoder self (causal, block-diagonal over decoder lengths; reads the cache
+  only where a prefix is already cached), cross (non-causal, rectangular
+  decoder x encoder blocks; writes the cross cache from the encoder output);
+- decode: decoder self and cross read their paged caches through block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
+from encdec_engine.engine.sequence import SequenceGroupMetadata
+from encdec_engine.layers.logits_processors import SamplingRow
+from encdec_engine.layers.sampler import SampleResult, Sampler
+from encdec_engine.models.interface import EncoderInputs
+from encdec_engine.worker.cache_engine import CacheEngine
+from encdec_engine.worker.input_prep import TokenArrays, pad_rows, prepare_token_arrays
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_seqs] the token whose logits sample each sequence
+    encoder_inputs: EncoderInputs | None = None
+
+
+@dataclass
+class StepRow:
+    """One sampled decoder sequence of a step."""
+
+    group: SequenceGroupMetadata
+    seq_id: int
+
+
+class ModelRunner:
+    def __init__(
+        self, model, backend, cache_engine: CacheEngine, block_size: int, device: torch.device,
+        eos_token_id: int | None, seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.cache = cache_engine
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_id = eos_token_id
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+
+    # -- input preparation ---------------------------------------------------
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    def _view(self, arrays_qsl: np.ndarray, key_lens: np.ndarray, causal: bool, **tensors) -> AttentionView:
+        key_start = tensors.pop("key_start_loc", None)
+        return AttentionView(
+            query_start_loc=self._tensor(arrays_qsl),
+            key_lens=self._tensor(key_lens),
+            causal=causal,
+            max_query_len=int(np.diff(arrays_qsl).max(initial=0)),
+            max_key_len=int(key_lens.max(initial=0)),
+            key_start_loc=None if key_start is None else self._tensor(key_start),
+            query_start_loc_list=arrays_qsl.tolist(),
+            key_lens_list=key_lens.tolist(),
+            key_start_loc_list=None if key_start is None else key_start.tolist(),
+            **{k: None if v is None else self._tensor(v) for k, v in tensors.items()},
+        )
+
+    def _decoder_arrays(self, rows: list[StepRow], decode: bool) -> tuple[TokenArrays, np.ndarray]:
+        data = [r.group.seq_data[r.seq_id] for r in rows]
+        block_table = pad_rows([r.group.block_tables[r.seq_id] for r in rows])
+        num_computed = np.array([len(d) - 1 if decode else d.num_computed_tokens for d in data], dtype=np.int64)
+        num_scheduled = np.array([len(d) for d in data], dtype=np.int64) - num_computed
+        arrays = prepare_token_arrays(num_scheduled, num_computed, block_table, self.block_size,
+                                      pad_rows([d.token_ids for d in data]))
+        return arrays, block_table
+
+    def prepare_prefill(self, rows: list[StepRow]) -> ModelInput:
+        dec, block_table = self._decoder_arrays(rows, decode=False)
+        has_prefix = bool(dec.num_computed_tokens.any())
+        decoder = self._view(
+            dec.query_start_loc, dec.seq_lens, causal=True, slot_mapping=dec.slot_mapping,
+            block_tables=block_table if has_prefix else None,
+            key_start_loc=None if has_prefix else dec.query_start_loc[:-1],
+        )
+        metadata = AttentionMetadata(decoder=decoder, block_size=self.block_size)
+        encoder_inputs = None
+        groups = list({id(r.group): r.group for r in rows}.values())
+        if groups[0].encoder_seq_data is not None:
+            encoder_inputs, metadata.encoder, metadata.cross = self._prepare_encoder(groups, rows, dec)
+        return ModelInput(
+            input_ids=self._tensor(dec.input_ids), positions=self._tensor(dec.positions), metadata=metadata,
+            logits_indices=self._tensor(dec.query_start_loc[1:] - 1), encoder_inputs=encoder_inputs,
+        )
+
+    def _prepare_encoder(self, groups, rows: list[StepRow], dec: TokenArrays):
+        encs = [g.encoder_seq_data for g in groups]
+        enc_lens = np.array([e.num_positions for e in encs], dtype=np.int64)
+        token_table = pad_rows([e.prompt_token_ids for e in encs]) if encs[0].features is None else None
+        enc = prepare_token_arrays(enc_lens, np.zeros_like(enc_lens), pad_rows([g.cross_block_table for g in groups]),
+                                   self.block_size, token_table)
+        encoder = self._view(enc.query_start_loc, enc_lens, causal=False, key_start_loc=enc.query_start_loc[:-1])
+        # Cross: each decoder sequence attends to its group's encoder segment.
+        group_index = {id(g): i for i, g in enumerate(groups)}
+        seq_group = np.array([group_index[id(r.group)] for r in rows], dtype=np.int64)
+        cross = self._view(dec.query_start_loc, enc_lens[seq_group], causal=False, slot_mapping=enc.slot_mapping,
+                           key_start_loc=enc.query_start_loc[seq_group])
+        if token_table is not None:
+            inputs = EncoderInputs(input_ids=self._tensor(enc.input_ids), positions=self._tensor(enc.positions))
+        else:
+            inputs = EncoderInputs(features=torch.stack([e.features for e in encs]).to(self.device))
+        return inputs, encoder, cross
+
+    def prepare_decode(self, rows: list[StepRow]) -> ModelInput:
+        dec, block_table = self._decoder_arrays(rows, decode=True)
+        decoder = self._view(dec.query_start_loc, dec.seq_lens, causal=True, slot_mapping=dec.slot_mapping,
+                             block_tables=block_table)
+        metadata = AttentionMetadata(decoder=decoder, block_size=self.block_size)
+        if rows[0].group.encoder_seq_data is not None:
+            enc_lens = np.array([r.group.encoder_seq_data.num_positions for r in rows], dtype=np.int64)
+            cross_tables = pad_rows([r.group.cross_block_table for r in rows])
+            metadata.cross = self._view(dec.query_start_loc, enc_lens, causal=False, block_tables=cross_tables)
+        return ModelInput(
+            input_ids=self._tensor(dec.input_ids), positions=self._tensor(dec.positions), metadata=metadata,
+            logits_indices=self._tensor(dec.query_start_loc[1:] - 1),
+        )
+
+    # -- execution -----------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, metadata_list: list[SequenceGroupMetadata], is_prompt: bool) -> list[tuple[StepRow, SampleResult]]:
+        rows = [StepRow(m, seq_id) for m in metadata_list for seq_id in m.seq_data]
+        inp = self.prepare_prefill(rows) if is_prompt else self.prepare_decode(rows)
+        self.backend.plan(inp.metadata)
+        encoder_hidden = None
+        if inp.encoder_inputs is not None:
+            encoder_hidden = self.model.encode(inp.encoder_inputs, inp.metadata)
+        hidden = self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.metadata, encoder_hidden)
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        samples = self.sampler(logits, [self._sampling_row(r) for r in rows])
+        return list(zip(rows, samples))
+
+    def _sampling_row(self, row: StepRow) -> SamplingRow:
+        group, data = row.group.group, row.group.seq_data[row.seq_id]
+        params = row.group.sampling_params
+        if params.seed is not None and group.generator is None:
+            group.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return SamplingRow(params, data.prompt_token_ids, data.output_token_ids, group.generator, self.eos_token_id)

@@ -1,0 +1,67 @@
+"""Shared fixtures: random-init checkpoints made once per session, and a leak check
+that runs after every test on every engine the tests built."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import make_bart  # noqa: E402
+
+torch.set_num_threads(2)
+
+# Three BART shapes so nothing is special-cased: odd head counts, tiny vocab,
+# different layer counts, scaled embeddings, untied output embeddings.
+BART_CONFIGS = {
+    "small": dict(seed=0),
+    "odd_heads": dict(seed=1, d_model=60, encoder_attention_heads=5, decoder_attention_heads=3,
+                      encoder_layers=3, decoder_layers=1, encoder_ffn_dim=96, decoder_ffn_dim=72,
+                      scale_embedding=True, activation_function="relu"),
+    "untied": dict(seed=2, d_model=48, encoder_attention_heads=2, decoder_attention_heads=6, encoder_layers=1,
+                   decoder_layers=3, tie_word_embeddings=False, max_position_embeddings=200),
+}
+
+_ENGINES: list = []
+
+
+@pytest.fixture(scope="session")
+def bart_paths(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bart")
+    return {name: make_bart(root / name, **cfg) for name, cfg in BART_CONFIGS.items()}
+
+
+@pytest.fixture(scope="session")
+def bart_path(bart_paths) -> Path:
+    return bart_paths["small"]
+
+
+@pytest.fixture(scope="session")
+def make_llm():
+    """Build (and remember) an LLM; engines are checked for leaks after every test."""
+    from encdec_engine import LLM
+
+    cache: dict = {}
+
+    def make(path, **kwargs):
+        key = (str(path), tuple(sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = LLM(model=str(path), **kwargs)
+            _ENGINES.append(cache[key].engine)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks():
+    yield
+    for engine in _ENGINES:
+        for rid in list(engine.groups):
+            engine.abort_request(rid)
+        assert not engine.has_unfinished_requests()
+        assert engine.num_free_blocks() == engine.num_total_blocks(), "KV blocks leaked"

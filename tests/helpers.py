@@ -1,0 +1,68 @@
+"""Small fixtures made on the fly: tokenizers and random-init checkpoints (nothing downloaded)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+WORDS = (
+    "the a of and to in is was for on that with as by at from his her it an were are which this be "
+    "rain spain falls mainly plain city river council report said year people government new first "
+    "court police market water school team season music film world state company million percent "
+    "summer winter bridge engine model request batch token cache block table memory speech audio "
+    "meeting notes quickly slowly because however although before after during under over between"
+).split()
+
+
+def corpus(num_sentences: int = 400, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_sentences):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 16))]
+        words[0] = words[0].capitalize()
+        out.append(" ".join(words) + rng.choice([".", ".", "!", "?", ", said the report."]))
+    return out
+
+
+def make_bart_tokenizer(dst: Path, vocab_size: int = 600):
+    """A byte-level BPE tokenizer in BART's layout (<s>=0, <pad>=1, </s>=2, <unk>=3, <mask>=last)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import BartTokenizerFast
+
+    dst.mkdir(parents=True, exist_ok=True)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus(), vocab_size=vocab_size, special_tokens=["<s>", "<pad>", "</s>", "<unk>"])
+    bpe.save_model(str(dst))
+    # transformers v5 takes the vocab and merges themselves (v4 took file names).
+    tok = BartTokenizerFast(vocab=str(dst / "vocab.json"), merges=str(dst / "merges.txt"))
+    tok.add_special_tokens({"mask_token": "<mask>"})
+    tok.save_pretrained(dst)
+    assert len(tok) > 256, f"tokenizer has only {len(tok)} tokens"
+    return tok
+
+
+def make_bart(dst: Path, seed: int = 0, **config) -> Path:
+    """Save a random-init BartForConditionalGeneration (+ tokenizer) to `dst`."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    tok = make_bart_tokenizer(dst)
+    defaults = dict(
+        vocab_size=len(tok), d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=256,
+        init_std=1.0, forced_eos_token_id=None, dropout=0.0,
+    )
+    defaults.update(config)
+    torch.manual_seed(seed)
+    model = BartForConditionalGeneration(BartConfig(**defaults)).eval()
+    # Wide init, random positions, a random logits bias and layer norms make a random
+    # model's outputs vary with its input instead of repeating one token.
+    with torch.no_grad():
+        model.final_logits_bias.normal_(0, 0.5)
+        model.model.decoder.embed_positions.weight.normal_(0, 1.0)
+        for name, p in model.named_parameters():
+            if "layer_norm" in name or "layernorm" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+    model.save_pretrained(dst)
+    return dst

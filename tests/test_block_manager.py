@@ -1,0 +1,134 @@
+"""Block manager accounting: the formulas of the encoder/decoder memory-management notes."""
+
+import pytest
+
+from encdec_engine.engine.block_manager import AllocStatus, BlockManager, blocks_for
+from encdec_engine.engine.sequence import EncoderSequence, Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.sampling_params import SamplingParams
+
+BS = 4
+
+
+def group(rid: str, dec_len: int, enc_len: int | None, seq_id: int) -> SequenceGroup:
+    enc = EncoderSequence(num_positions=enc_len) if enc_len is not None else None
+    return SequenceGroup(rid, [Sequence(seq_id, list(range(dec_len)))], SamplingParams(), 0.0, enc)
+
+
+def group_blocks(dec_len: int, enc_len: int | None) -> int:
+    return blocks_for(dec_len, BS) + (blocks_for(enc_len, BS) if enc_len else 0)
+
+
+def test_allocate_free_and_free_cross():
+    bm = BlockManager(BS, num_device_blocks=32)
+    g = group("a", dec_len=6, enc_len=9, seq_id=0)
+    free = bm.get_num_free_device_blocks()
+    assert bm.can_allocate(g) == AllocStatus.OK
+    bm.allocate(g)
+    assert bm.get_num_free_device_blocks() == free - group_blocks(6, 9)  # free_after_alloc
+    assert len(bm.get_cross_block_table(g)) == 3 and len(bm.get_block_table(g.seqs[0])) == 2
+    assert 0 not in bm.get_block_table(g.seqs[0]) + bm.get_cross_block_table(g)  # block 0 is padding
+    free = bm.get_num_free_device_blocks()
+    bm.free(g.seqs[0])
+    assert bm.get_num_free_device_blocks() == free + 2  # + |self table|
+    free = bm.get_num_free_device_blocks()
+    bm.free_cross(g)
+    assert bm.get_num_free_device_blocks() == free + 3  # + |cross table|
+    assert bm.get_num_free_device_blocks() == 32
+
+
+def test_decoder_only_group_has_no_cross_table():
+    bm = BlockManager(BS, 8)
+    g = group("a", 5, None, 0)
+    bm.allocate(g)
+    assert bm.get_cross_block_table(g) is None
+    assert bm.get_num_free_device_blocks() == 8 - 2
+
+
+def test_can_allocate_later_and_never():
+    bm = BlockManager(BS, 6)
+    assert bm.can_allocate(group("big", 4, 30, 0)) == AllocStatus.NEVER  # 1 + 8 > 6
+    bm.allocate(group("a", 4, 12, 1))  # 1 + 3 blocks
+    assert bm.can_allocate(group("b", 4, 12, 2)) == AllocStatus.LATER
+    assert bm.can_allocate(group("c", 4, 4, 3)) == AllocStatus.OK
+
+
+def test_append_slots_grows_by_one_block_at_boundaries():
+    bm = BlockManager(BS, 16)
+    g = group("a", 4, 4, 0)
+    seq = g.seqs[0]
+    bm.allocate(g)
+    seq.status = SequenceStatus.RUNNING
+    seq.data.num_computed_tokens = 4
+    seq.append_token(7, 0.0, None)  # 5 tokens: needs a 2nd block
+    free = bm.get_num_free_device_blocks()
+    assert bm.can_append_slots(g)
+    assert bm.append_slots(seq) is None
+    assert bm.get_num_free_device_blocks() == free - 1
+    seq.data.num_computed_tokens = 5
+    seq.append_token(8, 0.0, None)  # 6 tokens: same block
+    assert bm.append_slots(seq) is None
+    assert bm.get_num_free_device_blocks() == free - 1
+
+
+def test_fork_shares_blocks_and_copy_on_write():
+    bm = BlockManager(BS, 16)
+    g = group("a", 6, 4, 0)
+    parent = g.seqs[0]
+    bm.allocate(g)
+    child = Sequence(1, list(range(6)))
+    g.seqs.append(child)
+    free = bm.get_num_free_device_blocks()
+    bm.fork(parent, child)
+    assert bm.get_num_free_device_blocks() == free  # shared, nothing new
+    assert bm.get_block_table(child) == bm.get_block_table(parent)
+    for s in (parent, child):
+        s.status = SequenceStatus.RUNNING
+        s.data.num_computed_tokens = 6
+        s.append_token(9, 0.0, None)  # 7th token lands in the shared partial block
+    src, dst = bm.append_slots(child)
+    assert src == bm.get_block_table(parent)[1] and dst == bm.get_block_table(child)[1] and src != dst
+    assert bm.get_num_free_device_blocks() == free - 1
+    assert bm.append_slots(parent) is None  # now sole owner
+    bm.free_group(g)
+    assert bm.get_num_free_device_blocks() == 16
+
+
+def test_swap_out_and_in_accounting():
+    bm = BlockManager(BS, num_device_blocks=16, num_swap_blocks=16)
+    g = group("a", 7, 10, 0)
+    bm.allocate(g)
+    g.seqs[0].status = SequenceStatus.RUNNING
+    n = group_blocks(7, 10)
+    gpu, cpu = bm.get_num_free_device_blocks(), bm.get_num_free_swap_blocks()
+    mapping = bm.swap_out(g)
+    assert len(mapping) == n
+    assert bm.get_num_free_device_blocks() == gpu + n and bm.get_num_free_swap_blocks() == cpu - n
+    g.seqs[0].status = SequenceStatus.SWAPPED
+    gpu, cpu = bm.get_num_free_device_blocks(), bm.get_num_free_swap_blocks()
+    assert bm.can_swap_in(g) == AllocStatus.OK
+    bm.swap_in(g)
+    assert bm.get_num_free_device_blocks() == gpu - n and bm.get_num_free_swap_blocks() == cpu + n
+
+
+def test_free_while_swapped_returns_blocks_to_swap_pool():
+    bm = BlockManager(BS, 16, 16)
+    g = group("a", 7, 10, 0)
+    bm.allocate(g)
+    g.seqs[0].status = SequenceStatus.RUNNING
+    bm.swap_out(g)
+    bm.free_group(g)
+    assert bm.get_num_free_device_blocks() == 16 and bm.get_num_free_swap_blocks() == 16
+
+
+def test_reset_frees_everything():
+    bm = BlockManager(BS, 16, 8)
+    for i in range(3):
+        bm.allocate(group(f"r{i}", 5, 6, i))
+    bm.reset()
+    assert bm.get_num_free_device_blocks() == 16 and bm.get_num_free_swap_blocks() == 8
+    assert not bm.block_tables and not bm.cross_block_tables
+
+
+@pytest.mark.parametrize("n_tokens,expected", [(0, 0), (1, 1), (4, 1), (5, 2), (16, 4)])
+def test_blocks_for(n_tokens, expected):
+    assert blocks_for(n_tokens, BS) == expected

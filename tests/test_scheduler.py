@@ -1,0 +1,135 @@
+"""Scheduler behaviour without a model: continuous batching, budgets, preemption, abort."""
+
+from encdec_engine.engine.block_manager import BlockManager
+from encdec_engine.engine.scheduler import PreemptionMode, Scheduler, SchedulerConfig
+from encdec_engine.engine.sequence import EncoderSequence, Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.sampling_params import SamplingParams
+
+BS = 4
+_ids = iter(range(10**6))
+
+
+def make_group(rid: str, dec_len: int = 2, enc_len: int | None = 8) -> SequenceGroup:
+    enc = EncoderSequence(num_positions=enc_len) if enc_len else None
+    return SequenceGroup(rid, [Sequence(next(_ids), [2] * dec_len)], SamplingParams(), 0.0, enc)
+
+
+def fake_step(scheduler: Scheduler, metadata) -> None:
+    """What the engine does after a forward pass: mark tokens computed, append one."""
+    for m in metadata:
+        for data in m.seq_data.values():
+            data.num_computed_tokens = len(data)
+            data.output_token_ids.append(5)
+
+
+def finish(group: SequenceGroup) -> None:
+    for s in group.seqs:
+        s.status = SequenceStatus.FINISHED_STOPPED
+
+
+def test_prefill_then_decode_and_new_arrivals_join():
+    bm = BlockManager(BS, 64)
+    s = Scheduler(SchedulerConfig(), bm)
+    a, b = make_group("a"), make_group("b")
+    s.add(a)
+    s.add(b)
+    meta, out = s.schedule()
+    assert out.is_prompt and [m.request_id for m in meta] == ["a", "b"]
+    assert meta[0].cross_block_table == bm.get_cross_block_table(a) and meta[0].encoder_seq_data is a.encoder_seq
+    fake_step(s, meta)
+    meta, out = s.schedule()
+    assert not out.is_prompt and len(meta) == 2 and out.num_batched_tokens == 2
+    fake_step(s, meta)
+    s.add(make_group("c"))  # arrives while a and b decode
+    meta, out = s.schedule()
+    assert out.is_prompt and [m.request_id for m in meta] == ["c"]
+    fake_step(s, meta)
+    meta, out = s.schedule()
+    assert [m.request_id for m in meta] == ["a", "b", "c"]  # c joined the running batch
+
+
+def test_token_and_sequence_budgets():
+    bm = BlockManager(BS, 256)
+    s = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=25), bm)
+    for i in range(5):
+        s.add(make_group(f"r{i}", dec_len=2, enc_len=8))  # cost 10 each
+    meta, out = s.schedule()
+    assert [m.request_id for m in meta] == ["r0", "r1"] and out.num_batched_tokens == 20
+    fake_step(s, meta)
+    meta, out = s.schedule()
+    assert [m.request_id for m in meta] == ["r2"]  # max_num_seqs=3 reached
+    fake_step(s, meta)
+    meta, out = s.schedule()
+    assert not out.is_prompt and len(meta) == 3
+
+
+def test_request_larger_than_pool_is_ignored_not_stuck():
+    bm = BlockManager(BS, 4)
+    s = Scheduler(SchedulerConfig(), bm)
+    g = make_group("huge", dec_len=2, enc_len=40)
+    s.add(g)
+    meta, out = s.schedule()
+    assert not meta and out.ignored == [g] and not s.has_unfinished()
+    assert bm.get_num_free_device_blocks() == 4
+
+
+def test_preemption_by_recompute_frees_self_and_cross():
+    bm = BlockManager(BS, 6)  # each group: 1 self + 2 cross blocks
+    s = Scheduler(SchedulerConfig(preemption_mode=PreemptionMode.RECOMPUTE), bm)
+    a, b = make_group("a", dec_len=3), make_group("b", dec_len=3)
+    s.add(a)
+    s.add(b)
+    meta, _ = s.schedule()
+    fake_step(s, meta)  # both now have 4 tokens: next decode needs a 2nd self block each
+    assert bm.get_num_free_device_blocks() == 0
+    meta, out = s.schedule()
+    assert out.num_preempted == 1 and [m.request_id for m in meta] == ["a"]
+    assert s.waiting[0] is b and b.seqs[0].status == SequenceStatus.WAITING
+    assert b.seqs[0].data.num_computed_tokens == 0 and b.request_id not in bm.cross_block_tables
+    fake_step(s, meta)
+    finish(a)
+    s.free_finished()
+    meta, out = s.schedule()  # b is recomputed: prompt + the token it had generated
+    assert out.is_prompt and meta[0].request_id == "b" and b.seqs[0].num_new_tokens == 4
+    fake_step(s, meta)
+    finish(b)
+    s.free_finished()
+    assert bm.get_num_free_device_blocks() == 6
+
+
+def test_preemption_by_swap_and_resume_in_order():
+    bm = BlockManager(BS, 6, num_swap_blocks=12)
+    s = Scheduler(SchedulerConfig(), bm)
+    a, b = make_group("a", dec_len=3), make_group("b", dec_len=3)
+    s.add(a)
+    s.add(b)
+    fake_step(s, s.schedule()[0])
+    meta, out = s.schedule()
+    assert out.blocks_to_swap_out and b in s.swapped and b.seqs[0].status == SequenceStatus.SWAPPED
+    assert bm.get_num_free_swap_blocks() == 12 - 3
+    fake_step(s, meta)
+    finish(a)
+    s.free_finished()
+    meta, out = s.schedule()  # b swaps back in and keeps decoding (no recompute)
+    assert out.blocks_to_swap_in and [m.request_id for m in meta] == ["b"] and not out.is_prompt
+    fake_step(s, meta)
+    finish(b)
+    s.free_finished()
+    assert bm.get_num_free_device_blocks() == 6 and bm.get_num_free_swap_blocks() == 12
+
+
+def test_abort_frees_self_and_cross_at_once():
+    bm = BlockManager(BS, 32)
+    s = Scheduler(SchedulerConfig(), bm)
+    a, b = make_group("a"), make_group("b")
+    s.add(a)
+    s.add(b)
+    fake_step(s, s.schedule()[0])
+    used_by_a = bm.group_blocks(a)
+    free = bm.get_num_free_device_blocks()
+    assert s.abort("a") is a
+    assert bm.get_num_free_device_blocks() == free + used_by_a
+    assert a.seqs[0].status == SequenceStatus.FINISHED_ABORTED
+    assert s.abort("missing") is None
+    s.abort("b")
+    assert bm.get_num_free_device_blocks() == 32 and not s.has_unfinished()
