@@ -66,3 +66,43 @@ def make_bart(dst: Path, seed: int = 0, **config) -> Path:
                 p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
     model.save_pretrained(dst)
     return dst
+
+
+def hf_greedy(model, encoder_ids: list[int], decoder_ids: list[int], max_new_tokens: int, **processors) -> list[int]:
+    """Tokens HF `generate` adds after `decoder_ids` (greedy, no processors unless given)."""
+    kwargs = dict(do_sample=False, num_beams=1, forced_eos_token_id=None, forced_bos_token_id=None, min_length=0,
+                  no_repeat_ngram_size=0, repetition_penalty=1.0)
+    kwargs.update(processors)
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([encoder_ids]), decoder_input_ids=torch.tensor([decoder_ids]),
+                             attention_mask=torch.ones(1, len(encoder_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, **kwargs)
+    return out[0, len(decoder_ids):].tolist()
+
+
+def mixed_prompts(tokenizer, n: int = 14, seed: int = 0) -> list:
+    """Every prompt format, very different encoder and decoder lengths."""
+    rng = random.Random(seed)
+    texts = corpus(4 * n, seed=seed + 7)
+    prompts = []
+    for i in range(n):
+        doc = " ".join(texts[4 * i : 4 * i + rng.choice([1, 1, 2, 4])])
+        if i % 7 == 6:
+            doc = doc.split()[0]  # a one-word document
+        ids = tokenizer(doc)["input_ids"]
+        kind = i % 6
+        if kind == 0:
+            prompts.append(doc)
+        elif kind == 1:
+            prompts.append({"prompt": doc})
+        elif kind == 2:
+            prompts.append({"prompt_token_ids": ids})
+        elif kind == 3:
+            prompts.append({"encoder_prompt": doc, "decoder_prompt": None})
+        elif kind == 4:
+            dec = " ".join(texts[4 * i + 1].split()[: rng.randint(1, 12)])
+            prompts.append({"encoder_prompt": {"prompt": doc}, "decoder_prompt": dec})
+        else:
+            dec = [2, 0] + [rng.randrange(5, len(tokenizer) - 1) for _ in range(rng.randint(8, 18))]
+            prompts.append({"encoder_prompt": {"prompt_token_ids": ids}, "decoder_prompt": {"prompt_token_ids": dec}})
+    return prompts

@@ -138,8 +138,13 @@ class Scheduler:
         self._swap_in(out)
         running: list[SequenceGroup] = []
         queue = deque(self.running)
+        num_seqs = 0
         while queue:
             group = queue.popleft()
+            n = len(group.get_seqs(SequenceStatus.RUNNING))
+            if num_seqs + n > self.config.max_num_seqs:
+                running.append(group)  # over the sequence budget: waits for the next step
+                continue
             while not self.block_manager.can_append_slots(group):
                 # Preempt the newest group; if that is this one, stop here.
                 victim = queue.pop() if queue else group
@@ -147,21 +152,15 @@ class Scheduler:
                 if victim is group:
                     break
             else:
+                # Append right away so the next group's check sees the blocks taken.
+                for seq in group.get_seqs(SequenceStatus.RUNNING):
+                    copy = self.block_manager.append_slots(seq)
+                    if copy is not None:
+                        out.blocks_to_copy.append(copy)
                 running.append(group)
-        # Beyond max_num_seqs, later groups simply wait for the next step.
-        scheduled, num_seqs = [], 0
-        for group in running:
-            n = len(group.get_seqs(SequenceStatus.RUNNING))
-            if num_seqs + n > self.config.max_num_seqs:
-                continue
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                copy = self.block_manager.append_slots(seq)
-                if copy is not None:
-                    out.blocks_to_copy.append(copy)
-            scheduled.append(group)
-            num_seqs += n
+                out.groups.append(group)
+                num_seqs += n
         self.running = running
-        out.groups = scheduled
         out.num_batched_tokens = num_seqs
 
     def _swap_in(self, out: SchedulerOutput) -> None:

@@ -83,14 +83,17 @@ class BartLayer(nn.Module):
 
 
 class BartStack(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, is_decoder: bool) -> None:
+    def __init__(self, config, backend: AttentionBackend, is_decoder: bool, embed_tokens: nn.Embedding) -> None:
         super().__init__()
         num_layers = config.decoder_layers if is_decoder else config.encoder_layers
+        self.embed_tokens = embed_tokens
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         self.embed_positions = nn.Embedding(config.max_position_embeddings + _POSITION_OFFSET, config.d_model)
         self.layernorm_embedding = nn.LayerNorm(config.d_model)
         self.layers = nn.ModuleList(BartLayer(config, backend, is_decoder) for _ in range(num_layers))
 
-    def forward(self, embeds, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:
+        embeds = self.embed_tokens(input_ids) * self.embed_scale
         hidden = self.layernorm_embedding(embeds + self.embed_positions(positions + _POSITION_OFFSET))
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, kv_caches[i] if kv_caches else None, metadata, encoder_hidden)
@@ -103,11 +106,16 @@ class BartForConditionalGeneration(nn.Module):
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        self.encoder = BartStack(config, backend, is_decoder=False)
-        self.decoder = BartStack(config, backend, is_decoder=True)
+        # Tied (the usual case): one embedding serves encoder, decoder and output.
+        # Untied (HF v5): encoder, decoder and lm_head each have their own.
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
+
+        def embedding() -> nn.Embedding:
+            return nn.Embedding(config.vocab_size, config.d_model)
+
+        self.shared = embedding() if self.tie_word_embeddings else None
+        self.encoder = BartStack(config, backend, False, self.shared or embedding())
+        self.decoder = BartStack(config, backend, True, self.shared or embedding())
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.register_buffer("final_logits_bias", torch.zeros(config.vocab_size))
 
@@ -133,8 +141,7 @@ class BartForConditionalGeneration(nn.Module):
 
     def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
         """[num_encoder_tokens] ids -> [num_encoder_tokens, d_model] hidden states."""
-        embeds = self.shared(inputs.input_ids) * self.embed_scale
-        return self.encoder(embeds, inputs.positions, None, metadata)
+        return self.encoder(inputs.input_ids, inputs.positions, None, metadata)
 
     def forward(
         self,
@@ -144,19 +151,19 @@ class BartForConditionalGeneration(nn.Module):
         metadata: AttentionMetadata,
         encoder_hidden: torch.Tensor | None = None,  # prefill only
     ) -> torch.Tensor:  # [num_tokens, d_model]
-        embeds = self.shared(input_ids) * self.embed_scale
-        return self.decoder(embeds, positions, kv_caches, metadata, encoder_hidden)
+        return self.decoder(input_ids, positions, kv_caches, metadata, encoder_hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        weight = self.shared.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.decoder.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight) + self.final_logits_bias
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
-        loader.alias("encoder.embed_tokens.weight", "shared.weight")
-        loader.alias("decoder.embed_tokens.weight", "shared.weight")
         if self.tie_word_embeddings:
-            loader.alias("lm_head.weight", "shared.weight")
+            for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
+                loader.alias(name, "shared.weight")
+        else:
+            loader.ignore("shared.weight")  # HF keeps it, but untied models never read it
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if name == "final_logits_bias":

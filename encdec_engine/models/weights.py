@@ -53,12 +53,19 @@ class WeightLoader:
         self.shards: dict[str, set[int]] = {}
         self.aliases: dict[str, str] = {}
         self.unexpected: list[str] = []
+        self.ignored: set[str] = set()
 
     def alias(self, name: str, target: str) -> None:
         """Checkpoint tensor `name` holds the same weight as our `target` (tied weights)."""
         self.aliases[name] = target
 
+    def ignore(self, name: str) -> None:
+        """Checkpoint tensor `name` is known and deliberately unused."""
+        self.ignored.add(name)
+
     def _target(self, name: str, shape: torch.Size) -> torch.Tensor | None:
+        if name in self.ignored:
+            return None
         name = self.aliases.get(name, name)
         target = self.targets.get(name)
         if target is None:
