@@ -3,7 +3,7 @@
 import pytest
 
 from encdec_engine.engine.block_manager import AllocStatus, BlockManager, blocks_for
-from encdec_engine.engine.sequence import EncoderSequence, Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.sequence import EncoderSequence, Sequence, SequenceGroup, SequenceStatus
 from encdec_engine.sampling_params import SamplingParams
 
 BS = 4

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 
-from encdec_engine.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class AllocStatus(enum.Enum):

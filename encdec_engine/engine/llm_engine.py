@@ -10,7 +10,7 @@ from encdec_engine.engine.block_manager import BlockManager, blocks_for
 from encdec_engine.engine.detokenizer import Detokenizer
 from encdec_engine.engine.loader import LoadedModel, load_model
 from encdec_engine.engine.scheduler import Scheduler, SchedulerConfig
-from encdec_engine.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from encdec_engine.inputs.preprocess import InputProcessor
 from encdec_engine.inputs.prompts import PromptType
 from encdec_engine.outputs import CompletionOutput, RequestOutput

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from encdec_engine.engine.block_manager import AllocStatus, BlockManager
-from encdec_engine.engine.sequence import SequenceGroup, SequenceGroupMetadata, SequenceStatus
+from encdec_engine.sequence import SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 
 class PreemptionMode(enum.Enum):

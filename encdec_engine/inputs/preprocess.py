@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from encdec_engine.engine.sequence import EncoderSequence
+from encdec_engine.sequence import EncoderSequence
 from encdec_engine.inputs.prompts import ParsedSingleton, PromptType, parse_prompt
 from encdec_engine.sampling_params import SamplingParams
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
-from encdec_engine.engine.sequence import SequenceGroupMetadata
+from encdec_engine.sequence import SequenceGroupMetadata
 from encdec_engine.layers.logits_processors import SamplingRow
 from encdec_engine.layers.sampler import SampleResult, Sampler
 from encdec_engine.models.interface import EncoderInputs

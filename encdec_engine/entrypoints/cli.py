@@ -1,0 +1,97 @@
+"""The `encdec` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+
+def _engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    p.add_argument("--model", required=model_required, help="checkpoint folder (or hub id when online)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-space-gb", type=float, default=2.0)
+
+
+def _llm(args):
+    from encdec_engine import LLM
+
+    return LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+               max_num_seqs=args.max_num_seqs, kv_cache_space_gb=args.kv_cache_space_gb)
+
+
+def cmd_generate(args) -> int:
+    from encdec_engine import SamplingParams
+    from encdec_engine.inputs.prompt_files import load_prompt_file
+
+    entries = load_prompt_file(args.prompts)
+    base = dict(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k,
+                seed=args.seed)
+    params = [SamplingParams(**{**base, **overrides}) for _, overrides in entries]
+    outs = _llm(args).generate([p for p, _ in entries], params, use_tqdm=not args.quiet)
+    with open(args.output, "w") if args.output else nullcontext(sys.stdout) as sink:
+        for out in outs:
+            c = out.outputs[0]
+            record = {"request_id": out.request_id, "text": c.text, "token_ids": c.token_ids,
+                      "finish_reason": c.finish_reason}
+            sink.write(json.dumps(record) + "\n")
+    return 0
+
+
+def cmd_summarize(args) -> int:
+    texts = []
+    for name in args.files:
+        path = Path(name)
+        if not path.is_file():
+            print(f"error: {path}: no such file", file=sys.stderr)
+            return 2
+        texts.append(path.read_text())
+    overrides = {k: v for k, v in (("max_tokens", args.max_tokens), ("min_tokens", args.min_tokens)) if v is not None}
+    summaries = _llm(args).summarize(texts, use_tqdm=not args.quiet, **overrides)
+    for name, summary in zip(args.files, summaries):
+        print(f"== {name}\n{summary}" if len(args.files) > 1 else summary)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="encdec", description="Serve encoder/decoder transformers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="run a JSONL file of prompts (any prompt format)")
+    gen.add_argument("prompts", help="JSONL file: one prompt per line")
+    _engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--output", help="write JSONL results here instead of stdout")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.set_defaults(func=cmd_generate)
+
+    summ = sub.add_parser("summarize", help="summarize text files with the checkpoint's generation config")
+    summ.add_argument("files", nargs="+")
+    _engine_args(summ)
+    summ.add_argument("--max-tokens", type=int, default=None)
+    summ.add_argument("--min-tokens", type=int, default=None)
+    summ.add_argument("--quiet", action="store_true")
+    summ.set_defaults(func=cmd_summarize)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

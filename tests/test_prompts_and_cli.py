@@ -1,0 +1,80 @@
+"""The example prompt files (every format) and the CLI, run the way a user runs them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from encdec_engine import SamplingParams
+from encdec_engine.inputs.prompt_files import load_prompt_file
+from encdec_engine.inputs.prompts import parse_prompt
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT_PROMPT_FILES = ["strings.jsonl", "text_prompts.jsonl", "token_prompts.jsonl", "explicit_prompts.jsonl"]
+
+
+def test_parse_every_format():
+    assert parse_prompt("hi").primary.kind == "text"
+    assert parse_prompt({"prompt": "hi"}).primary.text == "hi"
+    assert parse_prompt({"prompt_token_ids": [1, 2]}).primary.token_ids == [1, 2]
+    p = parse_prompt({"encoder_prompt": {"prompt_token_ids": [1]}, "decoder_prompt": "x"})
+    assert p.explicit and p.primary.token_ids == [1] and p.decoder.text == "x"
+    assert parse_prompt({"encoder_prompt": "a", "decoder_prompt": None}).decoder is None
+
+
+@pytest.mark.parametrize("name", TEXT_PROMPT_FILES)
+def test_example_prompt_files_run(name, bart_path, make_llm):
+    entries = load_prompt_file(ROOT / "prompts" / name)
+    assert entries
+    llm = make_llm(bart_path, num_kv_blocks=300)
+    params = [SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **o}) for _, o in entries]
+    outs = llm.generate([p for p, _ in entries], params, use_tqdm=False)
+    assert all(o.finished and o.outputs[0].token_ids for o in outs)
+
+
+def test_prompt_file_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{not json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
+        load_prompt_file(bad)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_prompt_file(tmp_path / "missing.jsonl")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "encdec_engine.entrypoints.cli", *args], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+
+
+def test_cli_generate_and_summarize(bart_path, tmp_path):
+    out_file = tmp_path / "out.jsonl"
+    r = run_cli("generate", "prompts/explicit_prompts.jsonl", "--model", str(bart_path), "--max-tokens", "5",
+                "--output", str(out_file), "--quiet")
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert len(records) == 4 and all(len(rec["token_ids"]) <= 5 for rec in records)
+    r = run_cli("summarize", "prompts/documents/council.txt", "prompts/documents/season.txt", "--model",
+                str(bart_path), "--max-tokens", "6", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("== prompts/documents/") == 2
+    r = run_cli("summarize", "nope.txt", "--model", str(bart_path))
+    assert r.returncode == 2 and "nope.txt" in r.stderr
+
+
+def test_summarize_uses_generation_config(bart_path, make_llm):
+    llm = make_llm(bart_path, num_kv_blocks=300)
+    gc = llm.engine.generation_config
+    gc.min_length, gc.max_length, gc.no_repeat_ngram_size = 12, 20, 3
+    try:
+        text = (ROOT / "prompts/documents/council.txt").read_text()
+        summaries = llm.summarize([text])
+        # HF max_length 20 / min_length 12 count the decoder start and forced BOS: 18 / 10 new tokens.
+        ids = llm.get_tokenizer()(text, truncation=True, max_length=256)["input_ids"]
+        outs = llm.generate([{"prompt_token_ids": ids}],
+                            SamplingParams(temperature=0, max_tokens=18, min_tokens=10, no_repeat_ngram_size=3),
+                            use_tqdm=False)
+        assert summaries[0] == outs[0].outputs[0].text.strip()
+    finally:
+        gc.min_length, gc.max_length, gc.no_repeat_ngram_size = 0, 20, 0
