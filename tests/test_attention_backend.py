@@ -104,3 +104,34 @@ def test_store_kv_writes_exact_slots():
     flat = cache[0].view(-1, 1, 2)
     assert torch.equal(flat[[5, 6, 13]], k) and torch.equal(cache[1].view(-1, 1, 2)[[5, 6, 13]], -k)
     assert cache[:, 0].abs().sum() == 0  # padding block untouched
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_long_contexts_read_in_place_when_contiguous(contiguous):
+    from encdec_engine.attention.backends.torch_sdpa import _GatherPlan, _SlicePlan
+
+    torch.manual_seed(3)
+    k_lens = [130, 257, 140]
+    tables, start = [], 1
+    for n in k_lens:
+        tables.append(list(range(start, start + -(-n // BS))))
+        start += len(tables[-1])
+    if not contiguous:
+        tables[1][3], tables[1][4] = tables[1][4], tables[1][3]
+    cache = torch.zeros(2, start, BS, 2, D)
+    ks, vs = [], []
+    for n, table in zip(k_lens, tables):
+        k, v = torch.randn(n, 2, D), torch.randn(n, 2, D)
+        pos = np.arange(n)
+        store_kv(k, v, cache, torch.tensor(np.array(table)[pos // BS] * BS + pos % BS))
+        ks.append(k)
+        vs.append(v)
+    v_ = view([1, 1, 1], k_lens, False, block_tables=torch.from_numpy(pad_rows(tables)))
+    backend = TorchSDPABackend(BS)
+    backend.plan(AttentionMetadata(decoder=v_))
+    assert isinstance(v_.plan, _SlicePlan if contiguous else _GatherPlan)
+    q = torch.randn(3, H, D)
+    out = backend.forward(q, None, None, cache, v_, SCALE)
+    for i in range(3):
+        ref = naive(q[i : i + 1], ks[i], vs[i], torch.zeros(1, k_lens[i]), 2)
+        torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from encdec_engine.attention.backends.base import store_kv
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
+_SLICE_MIN_KEYS = 128  # below this, one padded gather beats a loop over sequences
+
 
 @dataclass
 class _GatherPlan:
@@ -26,9 +28,17 @@ class _GatherPlan:
     key_mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_key_len] True = attend
 
 
+@dataclass
+class _SlicePlan:
+    """Decode reads where every sequence's context is one contiguous run of slots
+    (the usual case for cross tables, allocated in one go): zero-copy views."""
+
+    starts: list[int]  # first slot of each sequence's context
+
+
 def plan_gather(view: AttentionView, block_size: int) -> _GatherPlan:
     assert view.block_tables is not None
-    num_seqs, max_key = view.num_seqs, view.max_key_len
+    max_key = view.max_key_len
     device = view.block_tables.device
     pos = torch.arange(max_key, device=device)  # [max_key_len]
     blocks = view.block_tables.index_select(1, pos // block_size)  # [num_seqs, max_key_len]
@@ -45,6 +55,20 @@ def plan_gather(view: AttentionView, block_size: int) -> _GatherPlan:
     return _GatherPlan(slots.reshape(-1), mask)
 
 
+def plan_slices(view: AttentionView, block_size: int) -> _SlicePlan | None:
+    """A _SlicePlan if every context is contiguous in the pool, else None."""
+    if view.max_query_len != 1 or view.block_tables.device.type != "cpu":
+        return None
+    tables = view.block_tables.numpy()
+    starts = []
+    for i, key_len in enumerate(view.key_lens_list):
+        used = tables[i, : -(-key_len // block_size)]
+        if len(used) > 1 and not (used[1:] - used[:-1] == 1).all():
+            return None
+        starts.append(int(used[0]) * block_size)
+    return _SlicePlan(starts)
+
+
 class TorchSDPABackend:
     name = "torch-sdpa"
 
@@ -54,7 +78,9 @@ class TorchSDPABackend:
     def plan(self, metadata: AttentionMetadata) -> None:
         for view in (metadata.decoder, metadata.cross):
             if view is not None and view.reads_cache:
-                view.plan = plan_gather(view, self.block_size)
+                # Long contexts read in place when contiguous; short ones gather into one batch.
+                slices = plan_slices(view, self.block_size) if view.max_key_len >= _SLICE_MIN_KEYS else None
+                view.plan = slices or plan_gather(view, self.block_size)
 
     def forward(self, query, key, value, kv_cache, view: AttentionView, scale: float) -> torch.Tensor:
         if key is not None and view.slot_mapping is not None and kv_cache is not None:
@@ -92,7 +118,9 @@ class TorchSDPABackend:
         return out
 
     def _attend_cache(self, query, kv_cache, view: AttentionView, scale: float) -> torch.Tensor:
-        """Paged attention: gather each sequence's cached context, padded per batch."""
+        """Paged attention: read each sequence's cached context in place or gathered, padded per batch."""
+        if isinstance(view.plan, _SlicePlan):
+            return self._attend_slices(query, kv_cache, view, view.plan, scale)
         plan = view.plan if isinstance(view.plan, _GatherPlan) else plan_gather(view, self.block_size)
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
         num_seqs, max_key = view.num_seqs, view.max_key_len
@@ -116,6 +144,22 @@ class TorchSDPABackend:
             o = F.scaled_dot_product_attention(q, k[i : i + 1], v[i : i + 1], attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
             out[q_loc[i] : q_loc[i + 1]] = o[0].transpose(0, 1).to(query.dtype)
+        return out
+
+
+    @staticmethod
+    def _attend_slices(query, kv_cache, view: AttentionView, plan: _SlicePlan, scale: float) -> torch.Tensor:
+        _, _, _, num_kv_heads, head_dim = kv_cache.shape
+        keys = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        values = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        gqa = query.shape[1] != num_kv_heads
+        out = torch.empty_like(query)
+        for i, (start, key_len) in enumerate(zip(plan.starts, view.key_lens_list)):
+            k = keys[start : start + key_len].transpose(0, 1)  # [Hkv, L, D]
+            v = values[start : start + key_len].transpose(0, 1)
+            q = query[i, :, None, :].to(k.dtype)  # [H, 1, D]
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+            out[i] = o[:, 0].to(query.dtype)
         return out
 
 
