@@ -33,3 +33,29 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Segment:
+    """A timed piece of a transcript (openai-whisper's segment fields)."""
+
+    id: int
+    start: float  # seconds from the start of the audio
+    end: float  # seconds
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    temperature: float = 0.0
+    avg_logprob: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
+
+
+@dataclass
+class Transcription:
+    """The transcript of one audio input."""
+
+    text: str
+    language: str | None
+    segments: list[Segment]
+    duration: float  # seconds of audio
+    source: str | None = None  # the file name, when the input was a file

@@ -40,6 +40,9 @@ class SamplingParams:
     forced_eos_token_id: int | None = None  # forced as the last token at max_tokens
     suppress_tokens: list[int] | None = None  # banned at every step
     begin_suppress_tokens: list[int] | None = None  # banned at the first step
+    allowed_token_ids: list[int] | None = None  # only these may be generated (e.g. language detection)
+    # Extra processors, applied last: callables (output_token_ids, logits[vocab]) -> None editing in place.
+    logits_processors: list | None = None
     # Beam search (HF semantics).
     num_beams: int = 1
     length_penalty: float = 1.0

@@ -94,6 +94,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
         backend=backend, vocab_size=hf_config.vocab_size, max_decoder_len=model.max_decoder_len,
         max_encoder_len=model.max_encoder_len,
         decoder_start_token_id=getattr(hf_config, "decoder_start_token_id", None) if model.is_encoder_decoder else None,
-        default_decoder_prompt=model.default_decoder_prompt() if model.is_encoder_decoder else None,
+        default_decoder_prompt=model.default_decoder_prompt(generation_config) if model.is_encoder_decoder else None,
         eos_token_id=eos,
     )

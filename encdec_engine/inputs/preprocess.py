@@ -68,11 +68,52 @@ class InputProcessor:
         self._check_decoder(ids, "decoder_prompt")
         return ProcessedInputs(ids, text, encoder_seq)
 
+    @property
+    def num_mel_bins(self) -> int | None:
+        """Set for audio models (Whisper): their encoder input is a log-mel window."""
+        return getattr(self.model, "num_mel_bins", None)
+
     def encoder_sequence(self, prompt: ParsedSingleton, params: SamplingParams) -> EncoderSequence:
+        if self.num_mel_bins is not None:
+            return self._audio_encoder_sequence(prompt)
+        if prompt.multi_modal_data:
+            raise ValueError(f"this model takes text only, got multi_modal_data {sorted(prompt.multi_modal_data)}")
         ids = self._tokens(prompt, "encoder prompt", add_special_tokens=True, drop_eos=False)
         ids = self._truncate(ids, params, "encoder prompt", self.max_encoder_len)
         return EncoderSequence(num_positions=self.model.encoder_num_positions(len(ids)), prompt_token_ids=ids,
                                prompt=prompt.text)
+
+    def _audio_encoder_sequence(self, prompt: ParsedSingleton) -> EncoderSequence:
+        import torch
+
+        from encdec_engine.inputs.audio import SAMPLE_RATE, N_FRAMES, N_SAMPLES, load_audio, to_mono_16k
+        from encdec_engine.inputs.audio_features import log_mel_spectrogram
+
+        mm = prompt.multi_modal_data or {}
+        if prompt.text or prompt.token_ids:
+            raise ValueError("the encoder prompt of an audio model is its audio: pass "
+                             "{'prompt': '', 'multi_modal_data': {'audio': (samples, sample_rate)}} and put any "
+                             "text in the decoder prompt")
+        if "input_features" in mm:
+            features = torch.as_tensor(mm["input_features"], dtype=torch.float32)
+            if tuple(features.shape) != (self.num_mel_bins, N_FRAMES):
+                raise ValueError(f"input_features must have shape ({self.num_mel_bins}, {N_FRAMES}), "
+                                 f"got {tuple(features.shape)}")
+        elif "audio" in mm:
+            audio = mm["audio"]
+            if isinstance(audio, (tuple, list)) and len(audio) == 2:
+                samples = to_mono_16k(audio[0], audio[1])
+            else:
+                samples = load_audio(audio)  # a file path or file object
+            if len(samples) == 0:
+                raise ValueError("audio is empty")
+            if len(samples) > N_SAMPLES:
+                raise ValueError(f"audio is {len(samples) / SAMPLE_RATE:.1f} s long; one request holds at most "
+                                 f"{N_SAMPLES // SAMPLE_RATE} s (use LLM.transcribe for long-form audio)")
+            features = log_mel_spectrogram([samples], n_mels=self.num_mel_bins)[0]
+        else:
+            raise ValueError("an audio model needs multi_modal_data={'audio': (samples, sample_rate)}")
+        return EncoderSequence(num_positions=self.model.encoder_num_positions(N_FRAMES), features=features)
 
     # -- helpers -------------------------------------------------------------
     def _tokens(self, prompt: ParsedSingleton, what: str, add_special_tokens: bool, drop_eos: bool) -> list[int]:

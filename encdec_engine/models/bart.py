@@ -127,7 +127,7 @@ class BartForConditionalGeneration(nn.Module):
     def max_encoder_len(self) -> int:
         return self.config.max_position_embeddings
 
-    def default_decoder_prompt(self) -> list[int]:
+    def default_decoder_prompt(self, generation_config=None) -> list[int]:
         """HF starts from the decoder start token and forces BOS next: [2, 0] for BART."""
         return [self.config.decoder_start_token_id, self.config.bos_token_id]
 
@@ -166,17 +166,5 @@ class BartForConditionalGeneration(nn.Module):
             loader.ignore("shared.weight")  # HF keeps it, but untied models never read it
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if name == "final_logits_bias":
-                tensor = tensor.reshape(-1)
-            for proj, shard in (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)):
-                if f"self_attn.{proj}." in name:
-                    name = name.replace(f"self_attn.{proj}.", "self_attn.qkv_proj.")
-                    loader.load_shard(name, tensor, shard, 3)
-                    break
-                if f"encoder_attn.{proj}." in name and proj != "q_proj":
-                    name = name.replace(f"encoder_attn.{proj}.", "encoder_attn.kv_proj.")
-                    loader.load_shard(name, tensor, shard - 1, 2)
-                    break
-            else:
-                loader.load(name, tensor)
+            loader.load_attention(name, tensor.reshape(-1) if name == "final_logits_bias" else tensor)
         loader.finish(optional={"final_logits_bias"})

@@ -8,6 +8,7 @@ import importlib
 _MODELS: dict[str, tuple[str, str]] = {
     "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
     "BartModel": ("bart", "BartForConditionalGeneration"),
+    "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
 }
 
 
@@ -17,8 +18,9 @@ def supported_architectures() -> list[str]:
 
 def resolve_model_class(hf_config) -> type:
     archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs and getattr(hf_config, "model_type", None) == "bart":
-        archs = ["BartForConditionalGeneration"]
+    default_for_type = {"bart": "BartForConditionalGeneration", "whisper": "WhisperForConditionalGeneration"}
+    if not archs and getattr(hf_config, "model_type", None) in default_for_type:
+        archs = [default_for_type[hf_config.model_type]]
     for arch in archs:
         if arch in _MODELS:
             module, name = _MODELS[arch]

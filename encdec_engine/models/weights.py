@@ -39,6 +39,16 @@ def _weight_files(folder: Path, single: str, suffix: str) -> list[Path]:
     return sorted(p for p in folder.glob(f"*{suffix}") if p.is_file())
 
 
+# HF attention projections and the fused weights we keep instead: name part -> (fused part, shard, shards)
+_FUSED = {
+    "self_attn.q_proj.": ("self_attn.qkv_proj.", 0, 3),
+    "self_attn.k_proj.": ("self_attn.qkv_proj.", 1, 3),
+    "self_attn.v_proj.": ("self_attn.qkv_proj.", 2, 3),
+    "encoder_attn.k_proj.": ("encoder_attn.kv_proj.", 0, 2),
+    "encoder_attn.v_proj.": ("encoder_attn.kv_proj.", 1, 2),
+}
+
+
 class WeightLoader:
     """Copies checkpoint tensors into a module's parameters and buffers, strictly.
 
@@ -97,8 +107,25 @@ class WeightLoader:
         if len(done) == num_shards:
             self.loaded.add(name)
 
-    def mark_loaded(self, name: str) -> None:
-        self.loaded.add(name)
+    def load_attention(self, name: str, tensor: torch.Tensor) -> None:
+        """Load one tensor, routing HF's separate q/k/v projections into our fused ones."""
+        for part, (fused, shard, shards) in _FUSED.items():
+            if part in name:
+                self.load_shard(name.replace(part, fused), tensor, shard, shards)
+                return
+        self.load(name, tensor)
+
+    def zero_missing_bias_shards(self) -> None:
+        """HF's k projections have no bias: their share of a fused bias is zero."""
+        for name, target in self.targets.items():
+            if not name.endswith("_proj.bias") or name in self.loaded or name not in self.shards:
+                continue
+            shards = 3 if "qkv_proj" in name else 2
+            rows = target.shape[0] // shards
+            with torch.no_grad():
+                for shard in set(range(shards)) - self.shards[name]:
+                    target[shard * rows : (shard + 1) * rows].zero_()
+            self.loaded.add(name)
 
     def finish(self, optional: set[str] = frozenset()) -> None:
         missing = sorted(set(self.targets) - self.loaded - set(optional))
