@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from encdec_engine.config import EngineConfig
 from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.inputs.prompts import PromptType
-from encdec_engine.outputs import RequestOutput
+from encdec_engine.outputs import RequestOutput, Transcription
 from encdec_engine.sampling_params import SamplingParams
+from encdec_engine.transcription import Transcriber, TranscribeOptions
 
 
 class LLM:
@@ -81,6 +83,16 @@ class LLM:
         finally:
             bar.close()
         return [finished[rid] for rid in ids]
+
+    def transcribe(self, audio, language: str | None = None, task: str = "transcribe", use_tqdm: bool = False,
+                   max_in_flight: int | None = None, **options) -> list[Transcription]:
+        """Transcribe audio files (any format librosa reads), arrays at 16 kHz, or (samples, sample_rate)
+        pairs. Returns one Transcription per input in input order; an input that cannot be read gets
+        `error` set while the others are still transcribed. `options` are TranscribeOptions fields."""
+        if isinstance(audio, (str, Path)) or (isinstance(audio, tuple) and len(audio) == 2 and not isinstance(audio[0], (str, Path))):
+            audio = [audio]
+        transcriber = Transcriber(self.engine, TranscribeOptions(language=language, task=task, **options))
+        return transcriber.run(list(audio), use_tqdm=use_tqdm, max_in_flight=max_in_flight)
 
     def summarize(self, texts: str | Sequence[str], use_tqdm: bool = False, **overrides) -> list[str]:
         """Summaries with the checkpoint's generation config (max/min length, no-repeat n-grams,

@@ -59,3 +59,4 @@ class Transcription:
     segments: list[Segment]
     duration: float  # seconds of audio
     source: str | None = None  # the file name, when the input was a file
+    error: str | None = None  # why this input could not be transcribed (the others still are)

@@ -10,7 +10,7 @@ LEVELS = {
     "models": 2,
     "worker": 3,
     "engine": 4, "inputs": 4,
-    "llm": 5,
+    "llm": 5, "transcription": 5,
     "entrypoints": 6,
 }
 

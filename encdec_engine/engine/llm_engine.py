@@ -44,6 +44,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.model, self.tokenizer, loaded.vocab_size, self.max_decoder_len, loaded.max_encoder_len,
             loaded.decoder_start_token_id, loaded.default_decoder_prompt, self.eos_token_id,
+            loaded.decoder_prompt_starts,
         )
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.groups: dict[str, SequenceGroup] = {}

@@ -30,6 +30,7 @@ class LoadedModel:
     decoder_start_token_id: int | None
     default_decoder_prompt: list[int] | None
     eos_token_id: int | None
+    decoder_prompt_starts: tuple[int, ...] = ()
 
 
 def resolve_model_path(model: str) -> Path:
@@ -96,4 +97,5 @@ def load_model(config: EngineConfig) -> LoadedModel:
         decoder_start_token_id=getattr(hf_config, "decoder_start_token_id", None) if model.is_encoder_decoder else None,
         default_decoder_prompt=model.default_decoder_prompt(generation_config) if model.is_encoder_decoder else None,
         eos_token_id=eos,
+        decoder_prompt_starts=tuple(t for t in [getattr(generation_config, "prev_sot_token_id", None)] if t is not None),
     )

@@ -31,7 +31,7 @@ class ProcessedInputs:
 class InputProcessor:
     def __init__(self, model, tokenizer, vocab_size: int, max_decoder_len: int, max_encoder_len: int,
                  decoder_start_token_id: int | None, default_decoder_prompt: list[int] | None,
-                 eos_token_id: int | None) -> None:
+                 eos_token_id: int | None, decoder_prompt_starts: tuple[int, ...] = ()) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -40,6 +40,8 @@ class InputProcessor:
         self.decoder_start_token_id = decoder_start_token_id
         self.default_decoder_prompt = default_decoder_prompt
         self.eos_token_id = eos_token_id
+        # Tokens that may open a decoder prompt besides the decoder start (Whisper's <|startofprev|>).
+        self.decoder_prompt_starts = {decoder_start_token_id, *decoder_prompt_starts}
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -63,7 +65,7 @@ class InputProcessor:
             ids = self._tokens(parsed.decoder, "decoder_prompt", add_special_tokens=True, drop_eos=True)
             text = parsed.decoder.text
         start = self.decoder_start_token_id
-        if start is not None and (not ids or ids[0] != start):
+        if start is not None and (not ids or ids[0] not in self.decoder_prompt_starts):
             ids = [start] + ids
         self._check_decoder(ids, "decoder_prompt")
         return ProcessedInputs(ids, text, encoder_seq)

@@ -76,6 +76,12 @@ def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             x[p.suppress_tokens] = NEG_INF
         if p.begin_suppress_tokens and not out:
             x[p.begin_suppress_tokens] = NEG_INF
+        if p.allowed_token_ids is not None:
+            allowed = x[p.allowed_token_ids].clone()
+            x.fill_(NEG_INF)
+            x[p.allowed_token_ids] = allowed
+        for processor in p.logits_processors or ():
+            processor(out, x)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

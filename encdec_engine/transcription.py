@@ -1,0 +1,261 @@
+"""Transcription: audio in, text and timed segments out, many files through the engine at once.
+
+Audio up to 30 s is one window, decoded exactly as HF `generate` does (features
+of the zero-padded 30 s window). Longer audio follows openai-whisper: log-mel
+of the whole recording, then sequential 30 s windows that seek to the last
+timestamp token, each conditioned on the previous window's text, with
+temperature fallback when the compression ratio or the mean log-probability
+says a window failed. Each file's windows are sequential, but the windows of
+all files in flight share the engine's batches.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from encdec_engine.inputs.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, AudioError, load_audio, to_mono_16k
+from encdec_engine.inputs.audio_features import log_mel_spectrogram
+from encdec_engine.layers.whisper_timestamps import timestamp_rules_from_generation_config
+from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens
+from encdec_engine.outputs import RequestOutput, Segment, Transcription
+from encdec_engine.sampling_params import SamplingParams
+
+FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # 100 mel frames per second
+INPUT_STRIDE = 2  # mel frames per encoder position (the second conv has stride 2)
+
+
+@dataclass(frozen=True)
+class TranscribeOptions:
+    language: str | None = None  # None: English-only checkpoints use English; multilingual ones detect it
+    task: str = "transcribe"  # or "translate" (multilingual checkpoints)
+    timestamps: bool = True  # timed segments; False decodes with <|notimestamps|> (one segment per window)
+    initial_prompt: str | None = None  # text that conditions the first window (<|startofprev|>)
+    condition_on_previous_text: bool = True  # long-form: each window sees the previous window's text
+    temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # fallback sequence
+    compression_ratio_threshold: float | None = 2.4  # above: the window looped, retry hotter
+    logprob_threshold: float | None = -1.0  # mean token log-probability below: retry hotter
+    best_of: int = 5  # samples per window when temperature > 0
+    seed: int = 0  # sampling at temperature > 0 is seeded per window: reruns give the same text
+
+
+def compression_ratio(text: str) -> float:
+    data = text.encode("utf-8")
+    return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+@dataclass
+class _Job:
+    """One input's progress through its windows."""
+
+    index: int
+    source: str | None
+    samples: np.ndarray | None = None
+    error: str | None = None
+    language: str | None = None
+    mel: Any = None  # log-mel: the 30 s window, or (long-form) the whole recording [n_mels, frames]
+    seek: int = 0  # mel frames done
+    temperature_index: int = 0
+    window: int = 0
+    tokens: list[int] = field(default_factory=list)  # all text + timestamp tokens so far (for conditioning)
+    prompt_reset: int = 0  # tokens before this index do not condition later windows
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def duration(self) -> float:
+        return 0.0 if self.samples is None else len(self.samples) / SAMPLE_RATE
+
+    @property
+    def num_frames(self) -> int:
+        return 0 if self.samples is None else len(self.samples) // HOP_LENGTH
+
+    @property
+    def long_form(self) -> bool:
+        return self.samples is not None and len(self.samples) > N_SAMPLES
+
+
+class Transcriber:
+    def __init__(self, engine, options: TranscribeOptions) -> None:
+        if getattr(engine.model, "num_mel_bins", None) is None:
+            raise ValueError("transcribe needs a Whisper checkpoint")
+        self.engine = engine
+        self.options = options
+        self.tokens = WhisperTokens.from_configs(engine.hf_config, engine.generation_config)
+        gc = engine.generation_config
+        self.suppress = list(getattr(gc, "suppress_tokens", None) or [])
+        self.begin_suppress = list(getattr(gc, "begin_suppress_tokens", None) or [])
+        self.timestamp_rules = timestamp_rules_from_generation_config(gc)
+        self.n_mels = engine.model.num_mel_bins
+        self.tokenizer = engine.tokenizer
+        self.prompt_tokens = []
+        if options.initial_prompt:
+            self.prompt_tokens = self.tokenizer(" " + options.initial_prompt.strip(), add_special_tokens=False)[
+                "input_ids"]
+        if options.language is not None:
+            self.tokens.decoder_prompt(options.language, options.task)  # validates language and task
+
+    # -- driving the engine --------------------------------------------------
+    def run(self, inputs: list, use_tqdm: bool = False, max_in_flight: int | None = None) -> list[Transcription]:
+        jobs = [self._load(i, x) for i, x in enumerate(inputs)]
+        queue = [j for j in jobs if j.error is None]
+        in_flight: dict[str, _Job] = {}
+        bar = tqdm(total=round(sum(j.duration for j in jobs), 1), unit="s", desc="Transcribing", disable=not use_tqdm)
+        limit = max_in_flight or len(queue) or 1
+        try:
+            while queue or in_flight:
+                while queue and len({id(j) for j in in_flight.values()}) < limit:
+                    self._submit(queue.pop(0), in_flight)
+                for out in self.engine.step():
+                    if not out.finished:
+                        continue
+                    job = in_flight.pop(out.request_id)
+                    before = min(job.seek, job.num_frames)
+                    if self._finish_window(job, out):
+                        self._submit(job, in_flight)
+                    bar.update(round((min(job.seek, job.num_frames) - before) / FRAMES_PER_SECOND, 1))
+        except BaseException:
+            for rid in list(in_flight):
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [self._result(j) for j in jobs]
+
+    def _load(self, index: int, item) -> _Job:
+        source = str(item) if isinstance(item, (str, Path)) else None
+        job = _Job(index, source, language=self.options.language)
+        try:
+            if isinstance(item, (tuple, list)) and len(item) == 2:
+                job.samples = to_mono_16k(item[0], item[1])
+            elif isinstance(item, np.ndarray):
+                job.samples = to_mono_16k(item, SAMPLE_RATE)
+            else:
+                job.samples = load_audio(item)
+            if len(job.samples) == 0:
+                raise AudioError(f"{source or 'audio'}: no samples")
+        except (AudioError, ValueError) as e:
+            job.error = str(e)
+        if job.error is None:
+            job.mel = self._log_mel(job)
+        return job
+
+    def _log_mel(self, job: _Job) -> torch.Tensor:
+        if not job.long_form:  # HF semantics: the zero-padded 30 s window is normalized as a whole
+            return log_mel_spectrogram([job.samples], n_mels=self.n_mels)[0]
+        # openai-whisper semantics: the whole recording plus 30 s of silence, sliced into windows later
+        padded = np.concatenate([job.samples, np.zeros(N_SAMPLES, dtype=np.float32)])
+        return log_mel_spectrogram([padded], n_mels=self.n_mels, pad_to=None)[0]
+
+    def _window_features(self, job: _Job) -> torch.Tensor:  # [n_mels, N_FRAMES]
+        if not job.long_form:
+            return job.mel
+        window = job.mel[:, job.seek : job.seek + N_FRAMES]
+        return F.pad(window, (0, N_FRAMES - window.shape[1]))
+
+    def _submit(self, job: _Job, in_flight: dict[str, _Job]) -> None:
+        features = self._window_features(job)
+        rid = f"transcribe-{id(self)}-{job.index}-{job.window}-{job.temperature_index}"
+        encoder = {"prompt": "", "multi_modal_data": {"input_features": features}}
+        if self.tokens.is_multilingual and job.language is None:
+            params = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=list(self.tokens.lang_to_id.values()))
+            decoder = [self.tokens.sot]
+        else:
+            decoder = self.tokens.decoder_prompt(job.language, self.options.task, self.options.timestamps,
+                                                 self._previous(job))
+            params = self._params(job, len(decoder))
+        self.engine.add_request(rid, {"encoder_prompt": encoder, "decoder_prompt": {"prompt_token_ids": decoder}},
+                                params)
+        in_flight[rid] = job
+
+    def _previous(self, job: _Job) -> list[int]:
+        previous = list(self.prompt_tokens)
+        if self.options.condition_on_previous_text:
+            previous += job.tokens[job.prompt_reset :]
+        # openai-whisper keeps at most half the decoder context for the prompt.
+        return previous[-(self.engine.max_decoder_len // 2 - 1) :] if previous else []
+
+    def _params(self, job: _Job, prompt_len: int) -> SamplingParams:
+        temperature = self.options.temperatures[job.temperature_index]
+        sampled = temperature > 0
+        return SamplingParams(
+            temperature=temperature, n=1, best_of=self.options.best_of if sampled else 1,
+            seed=self.options.seed + 1000 * job.index + job.window if sampled else None,
+            max_tokens=self.engine.max_decoder_len - prompt_len, logprobs=0, skip_special_tokens=True,
+            suppress_tokens=self.suppress, begin_suppress_tokens=self.begin_suppress,
+            logits_processors=[self.timestamp_rules] if self.options.timestamps else None,
+        )
+
+    # -- interpreting a window -----------------------------------------------
+    def _finish_window(self, job: _Job, out: RequestOutput) -> bool:
+        """Take a finished window; True if the job needs another request."""
+        completion = out.outputs[0]
+        if job.language is None:  # that was language detection
+            job.language = self.tokens.language_of(completion.token_ids[0]) or "en"
+            return True
+        tokens = [t for t in completion.token_ids if t != self.tokens.eot]
+        text = self.tokenizer.decode([t for t in tokens if t < self.tokens.eot])
+        avg_logprob = (completion.cumulative_logprob or 0.0) / max(1, len(completion.token_ids))
+        ratio = compression_ratio(text)
+        temperature = self.options.temperatures[job.temperature_index]
+        failed = (self.options.compression_ratio_threshold is not None
+                  and ratio > self.options.compression_ratio_threshold) or (
+                  self.options.logprob_threshold is not None and avg_logprob < self.options.logprob_threshold)
+        if failed and job.temperature_index + 1 < len(self.options.temperatures):
+            job.temperature_index += 1
+            return True
+        self._add_segments(job, tokens, temperature, avg_logprob, ratio)
+        job.temperature_index = 0
+        job.window += 1
+        if temperature > 0.5:
+            job.prompt_reset = len(job.tokens)
+        return job.long_form and job.seek < job.num_frames
+
+    def _add_segments(self, job: _Job, tokens: list[int], temperature: float, avg_logprob: float,
+                      ratio: float) -> None:
+        begin = self.tokens.timestamp_begin
+        offset = job.seek / FRAMES_PER_SECOND
+        window_frames = min(N_FRAMES, job.num_frames - job.seek) if job.long_form else job.num_frames
+        is_ts = [t >= begin for t in tokens]
+        cuts = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]
+        single_ending = len(tokens) >= 2 and not is_ts[-2] and is_ts[-1]
+
+        def add(piece: list[int], start: float, end: float) -> None:
+            text = self.tokenizer.decode([t for t in piece if t < self.tokens.eot])
+            if not text.strip():
+                return
+            job.segments.append(Segment(len(job.segments), round(start, 3), round(end, 3), text, piece,
+                                        temperature, avg_logprob, ratio))
+
+        if cuts:
+            if single_ending:
+                cuts.append(len(tokens))
+            last = 0
+            for cut in cuts:
+                piece = tokens[last:cut]
+                add(piece, offset + (piece[0] - begin) * TIME_PRECISION, offset + (piece[-1] - begin) * TIME_PRECISION)
+                last = cut
+            if single_ending or not job.long_form:
+                job.seek += window_frames
+            else:
+                job.seek += (tokens[last - 1] - begin) * INPUT_STRIDE
+        else:
+            duration = window_frames / FRAMES_PER_SECOND
+            stamps = [t for t in tokens if t >= begin]
+            if stamps and stamps[-1] != begin:
+                duration = (stamps[-1] - begin) * TIME_PRECISION
+            add(tokens, offset, offset + duration)
+            job.seek += window_frames
+        job.tokens.extend(tokens)
+
+    def _result(self, job: _Job) -> Transcription:
+        if job.error is not None:
+            return Transcription("", None, [], 0.0, job.source, error=job.error)
+        text = "".join(s.text for s in job.segments)
+        return Transcription(text, job.language or "en", job.segments, round(job.duration, 3), job.source)
