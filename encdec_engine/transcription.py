@@ -107,6 +107,7 @@ class Transcriber:
         queue = [j for j in jobs if j.error is None]
         in_flight: dict[str, _Job] = {}
         bar = tqdm(total=round(sum(j.duration for j in jobs), 1), unit="s", desc="Transcribing", disable=not use_tqdm)
+        files_done, bar_files = 0, len(queue)
         limit = max_in_flight or len(queue) or 1
         try:
             while queue or in_flight:
@@ -119,6 +120,9 @@ class Transcriber:
                     before = min(job.seek, job.num_frames)
                     if self._finish_window(job, out):
                         self._submit(job, in_flight)
+                    else:
+                        files_done += 1
+                        bar.set_postfix_str(f"files {files_done}/{bar_files}")
                     bar.update(round((min(job.seek, job.num_frames) - before) / FRAMES_PER_SECOND, 1))
         except BaseException:
             for rid in list(in_flight):
@@ -187,10 +191,17 @@ class Transcriber:
         return SamplingParams(
             temperature=temperature, n=1, best_of=self.options.best_of if sampled else 1,
             seed=self.options.seed + 1000 * job.index + job.window if sampled else None,
-            max_tokens=self.engine.max_decoder_len - prompt_len, logprobs=0, skip_special_tokens=True,
+            max_tokens=self._max_tokens(prompt_len), logprobs=0, skip_special_tokens=True,
             suppress_tokens=self.suppress, begin_suppress_tokens=self.begin_suppress,
             logits_processors=[self.timestamp_rules] if self.options.timestamps else None,
         )
+
+    def _max_tokens(self, prompt_len: int) -> int:
+        """HF's rule: the checkpoint's max_length counts new tokens plus (up to half the context
+        of) the prompt, capped by the decoder's positions."""
+        limit = self.engine.max_decoder_len
+        max_length = getattr(self.engine.generation_config, "max_length", None) or limit
+        return max(1, min(max_length + min(limit // 2 - 1, prompt_len), limit) - prompt_len)
 
     # -- interpreting a window -----------------------------------------------
     def _finish_window(self, job: _Job, out: RequestOutput) -> bool:

@@ -25,6 +25,45 @@ def _llm(args):
                max_num_seqs=args.max_num_seqs, kv_cache_space_gb=args.kv_cache_space_gb)
 
 
+def cmd_transcribe(args) -> int:
+    from encdec_engine import LLM
+    from encdec_engine.entrypoints.writers import OUTPUT_FORMATS, render, write_transcription
+
+    if args.model is None:
+        from encdec_engine.models.ct2_import import default_model_path
+
+        args.model = str(default_model_path())
+    elif _is_ct2_folder(args.model):
+        from encdec_engine.models.ct2_import import import_ct2_whisper
+
+        args.model = str(import_ct2_whisper(args.model, Path(args.model) / ".encdec-hf"))
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+              max_num_seqs=args.max_num_seqs, kv_cache_space_gb=args.kv_cache_space_gb)
+    options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt}
+    if args.temperature is not None:
+        options["temperatures"] = (args.temperature,)
+    results = llm.transcribe(args.audio, language=args.language, task=args.task, use_tqdm=not args.quiet,
+                             max_in_flight=args.batch_size, **options)
+    failed = 0
+    for path, result in zip(args.audio, results):
+        if result.error is not None:
+            failed += 1
+            print(f"error: {result.error}", file=sys.stderr)
+            continue
+        if args.output_dir or args.output_format:
+            write_transcription(result, args.output_format or "all", args.output_dir or ".", path)
+        if not args.quiet or not (args.output_dir or args.output_format):
+            header = f"== {path}\n" if len(args.audio) > 1 else ""
+            print(header + (render(result, "txt") if not args.verbose else render(result, "vtt")), end="")
+    return 1 if failed else 0
+
+
+def _is_ct2_folder(path: str) -> bool:
+    from encdec_engine.models.ct2_import import is_ct2_model_dir
+
+    return Path(path).is_dir() and is_ct2_model_dir(path)
+
+
 def cmd_generate(args) -> int:
     from encdec_engine import SamplingParams
     from encdec_engine.inputs.prompt_files import load_prompt_file
@@ -61,6 +100,23 @@ def cmd_summarize(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="encdec", description="Serve encoder/decoder transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    tr = sub.add_parser("transcribe", help="transcribe audio files with Whisper")
+    tr.add_argument("audio", nargs="+", help="audio files (wav, flac, ogg, mp3, ...)")
+    _engine_args(tr, model_required=False)
+    tr.set_defaults(model=None)
+    tr.add_argument("--language", default=None, help="e.g. en; default: detect (English-only models: en)")
+    tr.add_argument("--task", default="transcribe", choices=["transcribe", "translate"])
+    tr.add_argument("--output-format", default=None, choices=["txt", "vtt", "srt", "tsv", "json", "all"],
+                    help="write <audio name>.<format> files (default with --output-dir: all)")
+    tr.add_argument("--output-dir", default=None, help="where to write output files (default: .)")
+    tr.add_argument("--batch-size", type=int, default=16, help="files transcribed concurrently")
+    tr.add_argument("--temperature", type=float, default=None, help="one fixed temperature (no fallback)")
+    tr.add_argument("--without-timestamps", action="store_true", help="decode with <|notimestamps|>")
+    tr.add_argument("--initial-prompt", default=None, help="text that conditions the first window")
+    tr.add_argument("--verbose", action="store_true", help="print timed segments (VTT) instead of text")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar; with output files, no stdout")
+    tr.set_defaults(func=cmd_transcribe)
 
     gen = sub.add_parser("generate", help="run a JSONL file of prompts (any prompt format)")
     gen.add_argument("prompts", help="JSONL file: one prompt per line")

@@ -1,0 +1,177 @@
+"""Whisper end to end: token-exact parity with HF on tiny.en and random-init configs, long-form, errors."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import jiwer
+import pytest
+import torch
+from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+
+from encdec_engine import SamplingParams
+from encdec_engine.inputs.audio import load_audio
+from encdec_engine.inputs.audio_features import log_mel_spectrogram
+from encdec_engine.models.ct2_import import default_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+AUDIO = ROOT / "prompts" / "audio"
+TRANSCRIPTS = json.loads((AUDIO / "transcripts.json").read_text())
+SHORT_CLIPS = sorted(n for n in TRANSCRIPTS if not n.startswith("long"))
+EXACT = dict(timestamps=False, temperatures=(0.0,))
+
+
+def norm(text: str) -> str:
+    return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
+
+
+def hf_tokens(model, features: torch.Tensor) -> list[list[int]]:
+    """Full sequences from HF generate (prompt + generated + EOS), one clip at a time."""
+    with torch.no_grad():
+        return [model.generate(input_features=f[None], return_dict_in_generate=True).sequences[0].tolist()
+                for f in features]
+
+
+@pytest.fixture(scope="module")
+def tiny_en(make_llm):
+    return make_llm(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def hf_tiny_en():
+    return WhisperForConditionalGeneration.from_pretrained(default_model_path()).eval()
+
+
+def test_transcribe_matches_hf_generate_on_every_clip(tiny_en, hf_tiny_en):
+    results = tiny_en.transcribe([AUDIO / n for n in SHORT_CLIPS], **EXACT)
+    features = log_mel_spectrogram([load_audio(AUDIO / n) for n in SHORT_CLIPS])
+    refs = hf_tokens(hf_tiny_en, features)
+    prompt = tiny_en.engine.input_processor.default_decoder_prompt
+    for name, result, ref in zip(SHORT_CLIPS, results, refs):
+        assert result.error is None
+        assert len(result.segments) == 1
+        assert prompt + result.segments[0].tokens + [50256] == ref, name
+        assert jiwer.wer(norm(TRANSCRIPTS[name]), norm(result.text)) < 0.3, (name, result.text)
+
+
+def test_batched_equals_one_at_a_time(tiny_en):
+    files = [AUDIO / n for n in SHORT_CLIPS[:4]]
+    batched = [r.segments[0].tokens for r in tiny_en.transcribe(files, **EXACT)]
+    single = [tiny_en.transcribe([f], **EXACT)[0].segments[0].tokens for f in files]
+    assert batched == single
+
+
+def test_generate_with_audio_prompts_and_arrays(tiny_en):
+    samples = load_audio(AUDIO / "coffee.wav")
+    gc = tiny_en.engine.generation_config
+    params = SamplingParams(temperature=0, max_tokens=100, suppress_tokens=gc.suppress_tokens,
+                            begin_suppress_tokens=gc.begin_suppress_tokens)
+    out = tiny_en.generate([{"prompt": "", "multi_modal_data": {"audio": (samples, 16000)}},
+                            {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": str(AUDIO / "coffee.wav")}},
+                             "decoder_prompt": {"prompt_token_ids": [50257, 50362]}}], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
+    assert norm(out[0].outputs[0].text) == norm(TRANSCRIPTS["coffee.wav"])
+    assert tiny_en.transcribe((samples, 16000), **EXACT)[0].text == out[0].outputs[0].text
+
+
+def test_timestamps_give_ordered_segments_within_the_audio(tiny_en):
+    for result in tiny_en.transcribe([AUDIO / n for n in SHORT_CLIPS[:3]]):
+        assert result.segments
+        for seg in result.segments:
+            assert 0.0 <= seg.start <= seg.end <= result.duration + 0.5
+        assert [s.start for s in result.segments] == sorted(s.start for s in result.segments)
+
+
+def test_long_form_transcribes_to_the_end(tiny_en):
+    result = tiny_en.transcribe(AUDIO / "long_meeting.flac")[0]
+    assert result.duration > 60
+    assert result.segments[-1].end > result.duration - 10
+    wer = jiwer.wer(norm(TRANSCRIPTS["long_meeting.flac"]), norm(result.text))
+    assert wer < 0.15, wer
+
+
+@pytest.mark.parametrize("bad,match", [("missing.wav", "missing.wav"), ("empty", "empty.wav"),
+                                       ("corrupt", "corrupt.wav")])
+def test_bad_files_are_named_and_others_still_transcribed(tiny_en, tmp_path, bad, match):
+    path = tmp_path / f"{bad}.wav" if bad != "missing.wav" else tmp_path / "missing.wav"
+    if bad == "empty":
+        path.write_bytes(b"")
+    elif bad == "corrupt":
+        path.write_bytes(b"RIFF....WAVEfmt garbage" * 10)
+    good, broken = tiny_en.transcribe([AUDIO / "coffee.wav", path], **EXACT)
+    assert good.error is None and norm(good.text) == norm(TRANSCRIPTS["coffee.wav"])
+    assert broken.error is not None and match in broken.error
+
+
+def test_audio_prompt_errors(tiny_en):
+    with pytest.raises(ValueError, match="needs multi_modal_data"):
+        tiny_en.generate([{"prompt": ""}], use_tqdm=False)
+    with pytest.raises(ValueError, match="one request holds at most 30 s"):
+        tiny_en.generate([{"prompt": "", "multi_modal_data": {"audio": (torch.zeros(16000 * 31).numpy(), 16000)}}],
+                         use_tqdm=False)
+    with pytest.raises(ValueError, match="encoder prompt of an audio model is its audio"):
+        tiny_en.generate(["some text"], use_tqdm=False)
+    with pytest.raises(ValueError, match="English-only"):
+        tiny_en.transcribe(AUDIO / "coffee.wav", language="de")
+
+
+# -- random-init checkpoints ------------------------------------------------------
+
+def make_whisper(dst: Path, n_mels: int, multilingual: bool, seed: int, **dims) -> Path:
+    src = default_model_path()
+    torch.manual_seed(seed)
+    shape = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128) | dims
+    config = WhisperConfig(vocab_size=51864, num_mel_bins=n_mels, max_source_positions=1500,
+                           max_target_positions=448, decoder_start_token_id=50257, eos_token_id=50256,
+                           bos_token_id=50257, pad_token_id=50256, **shape)
+    model = WhisperForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "encoder.embed_positions" not in name:  # keep HF's sinusoids: random ones drown the audio
+                p.normal_(0, 0.5)
+    model.save_pretrained(dst)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "merges", "special", "added", "normalizer")):
+            shutil.copy(f, dst / f.name)
+    gc = GenerationConfig.from_pretrained(src)
+    gc.max_length = 40  # random weights never stop: keep the test short (HF: 40 new tokens after the prompt)
+    if multilingual:
+        gc.is_multilingual = True
+        gc.lang_to_id = {"<|en|>": 50259, "<|de|>": 50261, "<|fr|>": 50265}
+        gc.task_to_id = {"transcribe": 50359, "translate": 50358}
+    gc.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize("n_mels,dims", [(80, {}), (128, dict(d_model=60, encoder_attention_heads=5,
+                                                                decoder_attention_heads=3, decoder_layers=3))])
+def test_random_init_whisper_matches_hf(tmp_path, make_llm, n_mels, dims):
+    path = make_whisper(tmp_path / f"w{n_mels}", n_mels, multilingual=False, seed=n_mels + 11, **dims)
+    llm = make_llm(path)
+    files = [AUDIO / n for n in SHORT_CLIPS[:5]]
+    features = log_mel_spectrogram([load_audio(f) for f in files], n_mels=n_mels)
+    gc = llm.engine.generation_config
+    params = SamplingParams(temperature=0, max_tokens=40, suppress_tokens=gc.suppress_tokens,
+                            begin_suppress_tokens=gc.begin_suppress_tokens)
+    outs = llm.generate([{"prompt": "", "multi_modal_data": {"input_features": f}} for f in features], params,
+                        use_tqdm=False)
+    hf = WhisperForConditionalGeneration.from_pretrained(path).eval()
+    refs = hf_tokens(hf, features)
+    mine = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    for m, r in zip(mine, refs):
+        assert m == r
+    assert len({tuple(m) for m in mine}) > 1, mine
+
+
+def test_multilingual_detects_language_and_uses_task_tokens(tmp_path, make_llm):
+    llm = make_llm(make_whisper(tmp_path / "multi", 80, multilingual=True, seed=3))
+    detected = llm.transcribe(AUDIO / "coffee.wav", **EXACT)[0]
+    assert detected.language in {"en", "de", "fr"}
+    forced = llm.transcribe(AUDIO / "coffee.wav", language="fr", **EXACT)[0]
+    assert forced.language == "fr"
+    tokens = llm.engine.input_processor.default_decoder_prompt
+    assert tokens == [50257, 50259, 50359, 50362]  # sot, en, transcribe, notimestamps
+    with pytest.raises(ValueError, match="unknown language"):
+        llm.transcribe(AUDIO / "coffee.wav", language="xx")
