@@ -175,3 +175,14 @@ def test_multilingual_detects_language_and_uses_task_tokens(tmp_path, make_llm):
     assert tokens == [50257, 50259, 50359, 50362]  # sot, en, transcribe, notimestamps
     with pytest.raises(ValueError, match="unknown language"):
         llm.transcribe(AUDIO / "coffee.wav", language="xx")
+
+
+def test_audio_prompt_file_runs(tiny_en):
+    from encdec_engine.inputs.prompt_files import load_prompt_file
+
+    entries = load_prompt_file(ROOT / "prompts" / "audio_prompts.jsonl")
+    outs = tiny_en.generate([p for p, _ in entries],
+                            [SamplingParams(**{"temperature": 0.0, "max_tokens": 60, **o}) for _, o in entries],
+                            use_tqdm=False)
+    assert norm(outs[0].outputs[0].text) == norm(TRANSCRIPTS["coffee.wav"])
+    assert "beautiful day" in outs[1].outputs[0].text

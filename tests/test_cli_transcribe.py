@@ -1,0 +1,60 @@
+"""`encdec transcribe` run as a user runs it: a subprocess, the default offline model, every output format."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+AUDIO = ROOT / "prompts" / "audio"
+SRT_TIME = re.compile(r"^(\d\d):(\d\d):(\d\d),(\d\d\d) --> (\d\d):(\d\d):(\d\d),(\d\d\d)$")
+VTT_TIME = re.compile(r"^(?:(\d\d):)?(\d\d):(\d\d)\.(\d\d\d) --> (?:(\d\d):)?(\d\d):(\d\d)\.(\d\d\d)$")
+
+
+def encdec(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "encdec_engine.entrypoints.cli", *args], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+
+
+def seconds(groups) -> tuple[float, float]:
+    g = [int(x) if x else 0 for x in groups]
+    return g[0] * 3600 + g[1] * 60 + g[2] + g[3] / 1000, g[4] * 3600 + g[5] * 60 + g[6] + g[7] / 1000
+
+
+def check_cues(lines: list[str], pattern: re.Pattern, duration: float) -> int:
+    previous_start, cues = -1.0, 0
+    for line in lines:
+        m = pattern.match(line)
+        if m:
+            start, end = seconds(m.groups())
+            assert previous_start <= start <= end <= duration + 0.5, line
+            previous_start, cues = start, cues + 1
+    return cues
+
+
+def test_transcribe_all_formats_and_a_bad_file(tmp_path):
+    files = [str(AUDIO / "coffee.wav"), str(AUDIO / "meeting_stereo_44k.wav"), str(tmp_path / "missing.mp3"),
+             str(AUDIO / "long_meeting.flac")]
+    r = encdec("transcribe", *files, "--output-format", "all", "--output-dir", str(tmp_path / "out"), "--quiet")
+    assert r.returncode == 1  # one file failed ...
+    assert "missing.mp3" in r.stderr  # ... and is named
+    out = tmp_path / "out"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(f"{stem}.{ext}" for stem in ("coffee", "meeting_stereo_44k", "long_meeting")
+                           for ext in ("txt", "vtt", "srt", "tsv", "json"))
+    assert "coffee with milk" in (out / "coffee.txt").read_text()
+    result = json.loads((out / "long_meeting.json").read_text())
+    assert result["language"] == "en" and result["duration"] > 60 and len(result["segments"]) > 3
+    srt = (out / "long_meeting.srt").read_text().splitlines()
+    assert srt[0] == "1" and check_cues(srt, SRT_TIME, result["duration"]) == len(result["segments"])
+    vtt = (out / "long_meeting.vtt").read_text().splitlines()
+    assert vtt[0] == "WEBVTT" and check_cues(vtt, VTT_TIME, result["duration"]) == len(result["segments"])
+    tsv = (out / "long_meeting.tsv").read_text().splitlines()
+    assert tsv[0] == "start\tend\ttext" and len(tsv) == len(result["segments"]) + 1
+
+
+def test_transcribe_prints_text_with_the_default_model():
+    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "beautiful day to go for a walk in the park" in r.stdout
