@@ -78,3 +78,15 @@ def test_summarize_uses_generation_config(bart_path, make_llm):
         assert summaries[0] == outs[0].outputs[0].text.strip()
     finally:
         gc.min_length, gc.max_length, gc.no_repeat_ngram_size = 0, 20, 0
+
+
+def test_skip_tokenizer_init_works_on_token_ids_alone(bart_path, make_llm):
+    llm = make_llm(bart_path, num_kv_blocks=300, skip_tokenizer_init=True)
+    with_tok = make_llm(bart_path, num_kv_blocks=300)
+    assert llm.get_tokenizer() is None
+    prompt = {"prompt_token_ids": [0, 45, 120, 33, 2]}
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    ref = with_tok.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref.token_ids and out.text == ""
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        llm.generate(["text needs a tokenizer"], use_tqdm=False)

@@ -186,3 +186,16 @@ def test_audio_prompt_file_runs(tiny_en):
                             use_tqdm=False)
     assert norm(outs[0].outputs[0].text) == norm(TRANSCRIPTS["coffee.wav"])
     assert "beautiful day" in outs[1].outputs[0].text
+
+
+def test_initial_prompt_matches_hf_prompt_ids(tiny_en, hf_tiny_en):
+    text = "Stella brings things from the store."
+    result = tiny_en.transcribe(AUDIO / "stella.wav", initial_prompt=text, **EXACT)[0]
+    tok = tiny_en.get_tokenizer()
+    prompt_ids = torch.tensor(tok.get_prompt_ids(text))
+    features = log_mel_spectrogram([load_audio(AUDIO / "stella.wav")])
+    with torch.no_grad():
+        ref = hf_tiny_en.generate(input_features=features, prompt_ids=prompt_ids, return_dict_in_generate=True)
+    ref = ref.sequences[0].tolist()
+    assert ref[: len(prompt_ids)] == prompt_ids.tolist()  # HF returns prompt + <|startoftranscript|> ...
+    assert result.segments[0].tokens + [50256] == ref[len(prompt_ids) + 2 :]
