@@ -52,7 +52,7 @@ def compression_ratio(text: str) -> float:
 
 
 @dataclass
-class _Job:
+class TranscriptionJob:
     """One input's progress through its windows."""
 
     index: int
@@ -103,22 +103,22 @@ class Transcriber:
 
     # -- driving the engine --------------------------------------------------
     def run(self, inputs: list, use_tqdm: bool = False, max_in_flight: int | None = None) -> list[Transcription]:
-        jobs = [self._load(i, x) for i, x in enumerate(inputs)]
+        jobs = [self.load(i, x) for i, x in enumerate(inputs)]
         queue = [j for j in jobs if j.error is None]
-        in_flight: dict[str, _Job] = {}
+        in_flight: dict[str, TranscriptionJob] = {}
         bar = tqdm(total=round(sum(j.duration for j in jobs), 1), unit="s", desc="Transcribing", disable=not use_tqdm)
         files_done, bar_files = 0, len(queue)
         limit = max_in_flight or len(queue) or 1
         try:
             while queue or in_flight:
-                while queue and len({id(j) for j in in_flight.values()}) < limit:
+                while queue and len(in_flight) < limit:
                     self._submit(queue.pop(0), in_flight)
                 for out in self.engine.step():
                     if not out.finished:
                         continue
                     job = in_flight.pop(out.request_id)
                     before = min(job.seek, job.num_frames)
-                    if self._finish_window(job, out):
+                    if self.take(job, out):
                         self._submit(job, in_flight)
                     else:
                         files_done += 1
@@ -130,11 +130,18 @@ class Transcriber:
             raise
         finally:
             bar.close()
-        return [self._result(j) for j in jobs]
+        return [self.result(j) for j in jobs]
 
-    def _load(self, index: int, item) -> _Job:
+    def _submit(self, job: TranscriptionJob, in_flight: dict[str, TranscriptionJob]) -> None:
+        rid = f"transcribe-{id(self)}-{job.index}-{job.window}-{job.temperature_index}"
+        self.engine.add_request(rid, *self.next_request(job))
+        in_flight[rid] = job
+
+    # -- one input's windows (any driver: this loop, or an async server) ------
+    def load(self, index: int, item) -> TranscriptionJob:
+        """Read one input (path, array, or (samples, rate)); a bad one gets `error` set."""
         source = str(item) if isinstance(item, (str, Path)) else None
-        job = _Job(index, source, language=self.options.language)
+        job = TranscriptionJob(index, source, language=self.options.language)
         try:
             if isinstance(item, (tuple, list)) and len(item) == 2:
                 job.samples = to_mono_16k(item[0], item[1])
@@ -150,42 +157,40 @@ class Transcriber:
             job.mel = self._log_mel(job)
         return job
 
-    def _log_mel(self, job: _Job) -> torch.Tensor:
+    def _log_mel(self, job: TranscriptionJob) -> torch.Tensor:
         if not job.long_form:  # HF semantics: the zero-padded 30 s window is normalized as a whole
             return log_mel_spectrogram([job.samples], n_mels=self.n_mels)[0]
         # openai-whisper semantics: the whole recording plus 30 s of silence, sliced into windows later
         padded = np.concatenate([job.samples, np.zeros(N_SAMPLES, dtype=np.float32)])
         return log_mel_spectrogram([padded], n_mels=self.n_mels, pad_to=None)[0]
 
-    def _window_features(self, job: _Job) -> torch.Tensor:  # [n_mels, N_FRAMES]
+    def _window_features(self, job: TranscriptionJob) -> torch.Tensor:  # [n_mels, N_FRAMES]
         if not job.long_form:
             return job.mel
         window = job.mel[:, job.seek : job.seek + N_FRAMES]
         return F.pad(window, (0, N_FRAMES - window.shape[1]))
 
-    def _submit(self, job: _Job, in_flight: dict[str, _Job]) -> None:
-        features = self._window_features(job)
-        rid = f"transcribe-{id(self)}-{job.index}-{job.window}-{job.temperature_index}"
-        encoder = {"prompt": "", "multi_modal_data": {"input_features": features}}
+    def next_request(self, job: TranscriptionJob) -> tuple[dict, SamplingParams]:
+        """The engine request (prompt, params) for the job's current window."""
+        encoder = {"prompt": "", "multi_modal_data": {"input_features": self._window_features(job)}}
         if self.tokens.is_multilingual and job.language is None:
-            params = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=list(self.tokens.lang_to_id.values()))
+            params = SamplingParams(temperature=0.0, max_tokens=1,
+                                    allowed_token_ids=list(self.tokens.lang_to_id.values()))
             decoder = [self.tokens.sot]
         else:
             decoder = self.tokens.decoder_prompt(job.language, self.options.task, self.options.timestamps,
                                                  self._previous(job))
             params = self._params(job, len(decoder))
-        self.engine.add_request(rid, {"encoder_prompt": encoder, "decoder_prompt": {"prompt_token_ids": decoder}},
-                                params)
-        in_flight[rid] = job
+        return {"encoder_prompt": encoder, "decoder_prompt": {"prompt_token_ids": decoder}}, params
 
-    def _previous(self, job: _Job) -> list[int]:
+    def _previous(self, job: TranscriptionJob) -> list[int]:
         previous = list(self.prompt_tokens)
         if self.options.condition_on_previous_text:
             previous += job.tokens[job.prompt_reset :]
         # openai-whisper keeps at most half the decoder context for the prompt.
         return previous[-(self.engine.max_decoder_len // 2 - 1) :] if previous else []
 
-    def _params(self, job: _Job, prompt_len: int) -> SamplingParams:
+    def _params(self, job: TranscriptionJob, prompt_len: int) -> SamplingParams:
         temperature = self.options.temperatures[job.temperature_index]
         sampled = temperature > 0
         return SamplingParams(
@@ -204,8 +209,8 @@ class Transcriber:
         return max(1, min(max_length + min(limit // 2 - 1, prompt_len), limit) - prompt_len)
 
     # -- interpreting a window -----------------------------------------------
-    def _finish_window(self, job: _Job, out: RequestOutput) -> bool:
-        """Take a finished window; True if the job needs another request."""
+    def take(self, job: TranscriptionJob, out: RequestOutput) -> bool:
+        """Take the finished request of the job's window; True if the job needs another request."""
         completion = out.outputs[0]
         if job.language is None:  # that was language detection
             job.language = self.tokens.language_of(completion.token_ids[0]) or "en"
@@ -228,7 +233,7 @@ class Transcriber:
             job.prompt_reset = len(job.tokens)
         return job.long_form and job.seek < job.num_frames
 
-    def _add_segments(self, job: _Job, tokens: list[int], temperature: float, avg_logprob: float,
+    def _add_segments(self, job: TranscriptionJob, tokens: list[int], temperature: float, avg_logprob: float,
                       ratio: float) -> None:
         begin = self.tokens.timestamp_begin
         offset = job.seek / FRAMES_PER_SECOND
@@ -265,7 +270,7 @@ class Transcriber:
             job.seek += window_frames
         job.tokens.extend(tokens)
 
-    def _result(self, job: _Job) -> Transcription:
+    def result(self, job: TranscriptionJob) -> Transcription:
         if job.error is not None:
             return Transcription("", None, [], 0.0, job.source, error=job.error)
         text = "".join(s.text for s in job.segments)

@@ -16,82 +16,16 @@ import struct
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 from safetensors.torch import save_file
 
-# Type ids of model.bin, in CTranslate2's order.
-_CT2_DTYPES = (torch.float32, torch.int8, torch.int16, torch.int32, torch.float16, torch.bfloat16)
-# Version 4 is the first to store a dtype id per variable (earlier files only store
-# the item size, which cannot tell int16 from float16); 6 is the newest we know.
-_SUPPORTED_BINARY_VERSIONS = range(4, 7)
+from encdec_engine.models.ct2_format import dequantize, read_ct2_header, read_ct2_variables
+
 _GELU = 3  # ctranslate2.specs.common_spec.Activation.GELU
 _MARKER = ".encdec-import.json"
 IMPORTER_VERSION = 1  # bump when the written checkpoint changes, to refresh caches
 MODEL_NAME = "whisper-tiny.en"
-
-
-def _read_string(f: BinaryIO) -> str:
-    # uint16 length that counts the trailing NUL, then the UTF-8 bytes and the NUL.
-    (length,) = struct.unpack("<H", f.read(2))
-    return f.read(length)[:-1].decode("utf-8")
-
-
-def _read_header(f: BinaryIO) -> tuple[int, str]:
-    (version,) = struct.unpack("<I", f.read(4))
-    if version not in _SUPPORTED_BINARY_VERSIONS:
-        raise ValueError(f"unsupported CTranslate2 binary version {version}")
-    spec = _read_string(f)
-    f.read(4)  # spec revision: unused; the mapped names are checked against HF's model instead
-    return version, spec
-
-
-def read_ct2_variables(model_bin: str | Path) -> tuple[str, dict[str, torch.Tensor]]:
-    """Read every variable of a CTranslate2 ``model.bin``; aliases map to the same tensor.
-
-    Returns the model spec name (e.g. ``"WhisperSpec"``) and ``{name: tensor}``.
-    """
-    variables: dict[str, torch.Tensor] = {}
-    with open(model_bin, "rb") as f:
-        _, spec = _read_header(f)
-        (count,) = struct.unpack("<I", f.read(4))
-        for _ in range(count):
-            name = _read_string(f)
-            (rank,) = struct.unpack("<B", f.read(1))
-            shape = struct.unpack(f"<{rank}I", f.read(4 * rank))
-            dtype_id, num_bytes = struct.unpack("<BI", f.read(5))
-            data = bytearray(f.read(num_bytes))
-            if len(data) != num_bytes:
-                raise ValueError(f"{model_bin} is truncated inside variable {name!r}")
-            if dtype_id >= len(_CT2_DTYPES):
-                raise ValueError(f"{model_bin}: unknown dtype id {dtype_id} for {name!r}")
-            tensor = torch.frombuffer(data, dtype=_CT2_DTYPES[dtype_id]) if data else torch.empty(0)
-            variables[name] = tensor.reshape(shape)
-        (num_aliases,) = struct.unpack("<I", f.read(4))
-        for _ in range(num_aliases):
-            alias, target = _read_string(f), _read_string(f)
-            variables[alias] = variables[target]
-            # Like CT2's loader: an aliased quantized weight shares its scale too.
-            if target + "_scale" in variables:
-                variables[alias + "_scale"] = variables[target + "_scale"]
-    return spec, variables
-
-
-def _dequantize(variables: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Turn int8/int16 weights of quantized exports back into float32 using their ``*_scale``."""
-    done: dict[int, torch.Tensor] = {}  # keyed by id() so aliases stay one shared tensor
-    out: dict[str, torch.Tensor] = {}
-    for name, value in variables.items():
-        scale = variables.get(name + "_scale")
-        if scale is not None and not value.is_floating_point():
-            if id(value) not in done:
-                # CT2 stores q = round(w * scale): one scale per output row, or one per tensor.
-                scale = scale.float().reshape(-1, *[1] * (value.dim() - 1)) if scale.dim() else scale.float()
-                done[id(value)] = value.float() / scale
-            value = done[id(value)]
-        out[name] = value
-    return out
 
 
 def _scalar(variables: dict[str, torch.Tensor], name: str, default: int) -> int:
@@ -258,7 +192,7 @@ def import_ct2_whisper(src: str | Path, dst: str | Path, dtype: torch.dtype = to
     spec, variables = read_ct2_variables(src / "model.bin")
     if spec != "WhisperSpec":
         raise ValueError(f"{src / 'model.bin'} holds a {spec!r} model, not a WhisperSpec")
-    v = _dequantize(variables)
+    v = dequantize(variables)
     _check_whisper_layout(v)
     vocab = _read_vocabulary(src)
     ids = {token: i for i, token in enumerate(vocab)}
@@ -317,7 +251,7 @@ def is_ct2_model_dir(path: str | Path) -> bool:
         return False
     try:
         with open(path / "model.bin", "rb") as f:
-            _read_header(f)
+            read_ct2_header(f)
     except (ValueError, struct.error, UnicodeDecodeError):
         return False
     return True
