@@ -95,8 +95,9 @@ class LLM:
         return transcriber.run(list(audio), use_tqdm=use_tqdm, max_in_flight=max_in_flight)
 
     def summarize(self, texts: str | Sequence[str], use_tqdm: bool = False, **overrides) -> list[str]:
-        """Summaries with the checkpoint's generation config (max/min length, no-repeat n-grams,
-        forced BOS/EOS); `overrides` replace SamplingParams fields."""
+        """Summaries exactly as HF `generate` makes them with the checkpoint's generation config
+        (beam search, length penalty, max/min length, no-repeat n-grams, forced BOS/EOS);
+        `overrides` replace SamplingParams fields."""
         if isinstance(texts, str):
             texts = [texts]
         params = summarization_params(self.engine, **overrides)
@@ -104,7 +105,9 @@ class LLM:
         if tok is None:
             raise ValueError("summarize needs a tokenizer (skip_tokenizer_init=True was set)")
         limit = self.engine.input_processor.max_encoder_len
-        prompts = [{"prompt_token_ids": tok(t, truncation=True, max_length=limit)["input_ids"]} for t in texts]
+        start = [self.engine.input_processor.decoder_start_token_id]
+        prompts = [{"encoder_prompt": {"prompt_token_ids": tok(t, truncation=True, max_length=limit)["input_ids"]},
+                    "decoder_prompt": {"prompt_token_ids": start}} for t in texts]
         for i, t in enumerate(texts):
             if not t.strip():
                 raise ValueError(f"text {i} is empty")
@@ -115,23 +118,26 @@ class LLM:
 def summarization_params(engine: LLMEngine, **overrides) -> SamplingParams:
     """Map the checkpoint's HF generation config onto SamplingParams.
 
-    HF counts `max_length`/`min_length` over the whole decoder sequence, which
-    starts with the decoder start token; our decoder prompt also holds the BOS
-    that HF forces as its first generated token, so both shift by the prompt.
+    Summaries start, as in HF, from the decoder start token alone, with BOS and
+    EOS forced by processors; HF's max_length/min_length count that start token.
     """
     gc = engine.generation_config
-    prompt_len = len(engine.input_processor.default_decoder_prompt or [1])
-    forced_bos = getattr(gc, "forced_bos_token_id", None)
-    shift = prompt_len - 1 if forced_bos is not None or prompt_len > 1 else 0
     max_length = getattr(gc, "max_length", None) or 142
-    min_length = getattr(gc, "min_length", 0) or 0
     fields = dict(
         temperature=0.0,
-        max_tokens=max(1, max_length - 1 - shift),
-        min_tokens=max(0, min_length - 1 - shift),
+        max_tokens=max(1, max_length - 1),
+        min_tokens=max(0, (getattr(gc, "min_length", 0) or 0) - 1),
         no_repeat_ngram_size=getattr(gc, "no_repeat_ngram_size", 0) or 0,
         repetition_penalty=getattr(gc, "repetition_penalty", 1.0) or 1.0,
+        forced_bos_token_id=getattr(gc, "forced_bos_token_id", None),
         forced_eos_token_id=getattr(gc, "forced_eos_token_id", None),
+        num_beams=getattr(gc, "num_beams", 1) or 1,
+        length_penalty=_or_default(getattr(gc, "length_penalty", None), 1.0),
+        early_stopping=_or_default(getattr(gc, "early_stopping", None), False),
     )
     fields.update(overrides)
     return SamplingParams(**fields)
+
+
+def _or_default(value, default):
+    return default if value is None else value

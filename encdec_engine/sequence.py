@@ -101,6 +101,19 @@ class Sequence:
         if top_logprobs is not None:
             self.output_logprobs.append(top_logprobs)
 
+    def fork(self, seq_id: int) -> Sequence:
+        """A copy under a new id: same tokens, cache progress, logprobs and detokenizer state."""
+        child = Sequence(seq_id, self.data.prompt_token_ids, self.prompt)
+        child.data.output_token_ids = list(self.data.output_token_ids)
+        child.data.num_computed_tokens = self.data.num_computed_tokens
+        child.status = self.status
+        child.cumulative_logprob = self.cumulative_logprob
+        child.output_logprobs = list(self.output_logprobs)
+        child.output_text = self.output_text
+        child.tokens = None if self.tokens is None else list(self.tokens)
+        child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
+        return child
+
     def reset_for_recompute(self) -> None:
         """Forget the cache: the next prefill recomputes prompt and outputs."""
         self.data.num_computed_tokens = 0
@@ -129,7 +142,7 @@ class SequenceGroup:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.generator: Any = None  # torch.Generator of a seeded request, made by the runner
-        self.processor_state: dict[str, Any] = {}  # logits processors' per-request state
+        self.beam: Any = None  # BeamState of a beam-search request
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:

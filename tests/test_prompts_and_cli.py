@@ -66,18 +66,21 @@ def test_cli_generate_and_summarize(bart_path, tmp_path):
 def test_summarize_uses_generation_config(bart_path, make_llm):
     llm = make_llm(bart_path, num_kv_blocks=300)
     gc = llm.engine.generation_config
-    gc.min_length, gc.max_length, gc.no_repeat_ngram_size = 12, 20, 3
+    saved = gc.to_dict()
+    gc.min_length, gc.max_length, gc.no_repeat_ngram_size, gc.forced_bos_token_id = 12, 20, 3, 0
     try:
         text = (ROOT / "prompts/documents/council.txt").read_text()
         summaries = llm.summarize([text])
-        # HF max_length 20 / min_length 12 count the decoder start and forced BOS: 18 / 10 new tokens.
+        # HF counts the decoder start token in max_length 20 / min_length 12: 19 / 11 new tokens, BOS forced.
         ids = llm.get_tokenizer()(text, truncation=True, max_length=256)["input_ids"]
-        outs = llm.generate([{"prompt_token_ids": ids}],
-                            SamplingParams(temperature=0, max_tokens=18, min_tokens=10, no_repeat_ngram_size=3),
-                            use_tqdm=False)
+        outs = llm.generate([{"encoder_prompt": {"prompt_token_ids": ids}, "decoder_prompt": {"prompt_token_ids": [2]}}],
+                            SamplingParams(temperature=0, max_tokens=19, min_tokens=11, no_repeat_ngram_size=3,
+                                           forced_bos_token_id=0), use_tqdm=False)
+        assert outs[0].outputs[0].token_ids[0] == 0
         assert summaries[0] == outs[0].outputs[0].text.strip()
     finally:
-        gc.min_length, gc.max_length, gc.no_repeat_ngram_size = 0, 20, 0
+        for key in ("min_length", "max_length", "no_repeat_ngram_size", "forced_bos_token_id"):
+            setattr(gc, key, saved.get(key))
 
 
 def test_skip_tokenizer_init_works_on_token_ids_alone(bart_path, make_llm):

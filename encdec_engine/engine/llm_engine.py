@@ -5,7 +5,10 @@ from __future__ import annotations
 import itertools
 import time
 
+import torch
+
 from encdec_engine.config import EngineConfig
+from encdec_engine.engine.beam_search import BeamState
 from encdec_engine.engine.block_manager import BlockManager, blocks_for
 from encdec_engine.engine.detokenizer import Detokenizer
 from encdec_engine.engine.loader import LoadedModel, load_model
@@ -58,20 +61,25 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
-        if params.use_beam_search:
-            raise ValueError("beam search (num_beams > 1) is not supported yet")
         inputs = self.input_processor.process(prompt, params)
         self._check_fits(inputs.decoder_token_ids, inputs.encoder_seq, params)
-        seqs = [Sequence(next(self._seq_ids), inputs.decoder_token_ids, inputs.decoder_prompt)
-                for _ in range(params.best_of)]
+        # One sequence runs the prefill; n > 1 and beam search fork it afterwards, sharing its blocks.
+        seqs = [Sequence(next(self._seq_ids), inputs.decoder_token_ids, inputs.decoder_prompt)]
         group = SequenceGroup(request_id, seqs, params, arrival_time or time.monotonic(), inputs.encoder_seq)
+        if params.use_beam_search:
+            prompt_len = len(inputs.decoder_token_ids)
+            max_new = params.max_tokens or self.max_decoder_len - prompt_len
+            group.beam = BeamState(params.num_beams, params.length_penalty, params.early_stopping, prompt_len,
+                                   min(prompt_len + max_new, self.max_decoder_len),
+                                   None if params.ignore_eos else self.eos_token_id)
         self.groups[request_id] = group
         self.scheduler.add(group)
 
     def _check_fits(self, decoder_ids: list[int], encoder_seq, params: SamplingParams) -> None:
         bs, total = self.config.block_size, self.block_manager.num_total_device_blocks
         cross = blocks_for(encoder_seq.num_positions, bs) if encoder_seq is not None else 0
-        need = cross + params.best_of * blocks_for(len(decoder_ids) + 1, bs)
+        # The prompt's blocks, plus one copied block per forked sequence.
+        need = cross + blocks_for(len(decoder_ids) + 1, bs) + max(params.best_of, params.num_beams) - 1
         if need > total:
             raise ValueError(f"request needs {need} KV blocks ({cross} cross) but the pool has only {total}; "
                              "raise num_kv_blocks / kv_cache_space_gb or shorten the prompt")
@@ -101,14 +109,23 @@ class LLMEngine:
         if out.is_prompt:
             self.stats["encoder_runs"] += sum(1 for g in out.groups if g.encoder_seq is not None)
         now = time.monotonic()
-        for row, sample in self.runner.execute(metadata, out.is_prompt):
+        beam_rows: dict[str, list] = {}
+        for row, result in self.runner.execute(metadata, out.is_prompt):
             group = row.group.group
             seq = next(s for s in group.seqs if s.seq_id == row.seq_id)
             seq.data.num_computed_tokens = len(seq)
-            seq.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
-            self._check_stop(seq, group.sampling_params)
             if group.first_token_time is None:
                 group.first_token_time = now
+            if group.beam is not None:
+                beam_rows.setdefault(group.request_id, (group, []))[1].append((seq, result))
+                continue
+            # Fork before appending, so children copy the parent as it was.
+            targets = [seq] + [self._fork(group, seq) for _ in result[1:]]
+            for target, sample in zip(targets, result):
+                target.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
+                self._check_stop(target, group.sampling_params)
+        for group, rows in beam_rows.values():
+            self._beam_step(group, rows)
         self.stats["generated_tokens"] += sum(len(m.seq_data) for m in metadata)
         self.scheduler.free_finished()
         for group in out.groups:
@@ -118,7 +135,34 @@ class LLMEngine:
             outputs.append(self._output(group))
         return outputs
 
-    def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        """A new sequence that shares the parent's tokens and KV blocks (copy-on-write)."""
+        child = parent.fork(next(self._seq_ids))
+        self.block_manager.fork(parent, child)
+        group.seqs.append(child)
+        return child
+
+    def _beam_step(self, group: SequenceGroup, rows: list) -> None:
+        seqs = [seq for seq, _ in rows]
+        step = group.beam.step(torch.stack([r for _, r in rows]), [s.output_token_ids for s in seqs])
+        # Each new beam extends a parent: the first claim reuses the parent, later ones fork it.
+        claimed: set[int] = set()
+        children = []
+        for parent_index in step.parents:
+            parent = seqs[parent_index if len(seqs) > 1 else 0]
+            if parent.seq_id in claimed:
+                children.append(self._fork(group, parent))
+            else:
+                claimed.add(parent.seq_id)
+                children.append(parent)
+        for seq in seqs:
+            if seq.seq_id not in claimed:  # pruned beam
+                self.block_manager.free(seq)
+        group.seqs = children  # beam order: the next step's rows line up with the beam scores
+        for child, token in zip(children, step.tokens):
+            child.append_token(token, 0.0, None)
+            if step.done:
+                child.status = SequenceStatus.FINISHED_STOPPED
         self.groups.pop(group.request_id, None)
         return self._output(group)
 
@@ -151,12 +195,23 @@ class LLMEngine:
                 return True
         return False
 
+    def _beam_outputs(self, group: SequenceGroup) -> list[CompletionOutput]:
+        params = group.sampling_params
+        outputs = []
+        for i, (tokens, score) in enumerate(group.beam.best(params.n)):
+            text = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
+            reason = "stop" if tokens and tokens[-1] == self.eos_token_id else "length"
+            outputs.append(CompletionOutput(i, text, tokens, score, None, reason))
+        return outputs
+
     def _output(self, group: SequenceGroup) -> RequestOutput:
         params = group.sampling_params
         seqs = group.seqs
         if group.is_finished() and params.best_of > params.n:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
-        outputs = [
+        outputs = self._beam_outputs(group) if group.beam is not None and group.is_finished() else [
             CompletionOutput(
                 index=i, text=s.output_text, token_ids=list(s.output_token_ids),
                 cumulative_logprob=s.cumulative_logprob if params.logprobs is not None else None,

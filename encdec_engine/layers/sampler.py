@@ -16,6 +16,14 @@ class SampleResult:
     top_logprobs: dict[int, float] | None  # sampled token + the top-k, when logprobs were asked for
 
 
+def beam_log_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Beam search scores as HF computes them: log-softmax first, then the processors
+    (which therefore edit log-probabilities). Returns [num_rows, vocab] float32."""
+    log_probs = logits.float().log_softmax(dim=-1)
+    apply_processors(log_probs, rows)
+    return log_probs
+
+
 class Sampler:
     """Samples one token per row. Random rows draw with the exponential-race trick
     (argmax of p / Exp(1)), which equals multinomial sampling and takes a

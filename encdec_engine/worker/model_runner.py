@@ -22,7 +22,7 @@ import torch
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 from encdec_engine.sequence import SequenceGroupMetadata
 from encdec_engine.layers.logits_processors import SamplingRow
-from encdec_engine.layers.sampler import SampleResult, Sampler
+from encdec_engine.layers.sampler import SampleResult, Sampler, beam_log_probs
 from encdec_engine.models.interface import EncoderInputs
 from encdec_engine.worker.cache_engine import CacheEngine
 from encdec_engine.worker.input_prep import TokenArrays, pad_rows, prepare_token_arrays
@@ -35,6 +35,9 @@ class ModelInput:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_seqs] the token whose logits sample each sequence
     encoder_inputs: EncoderInputs | None = None
+
+
+StepResult = "list[SampleResult] | torch.Tensor"
 
 
 @dataclass
@@ -138,7 +141,9 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, metadata_list: list[SequenceGroupMetadata], is_prompt: bool) -> list[tuple[StepRow, SampleResult]]:
+    def execute(self, metadata_list: list[SequenceGroupMetadata], is_prompt: bool) -> list[tuple[StepRow, StepResult]]:
+        """Run one step. Each row gets its samples (several for a request that forks into
+        best_of sequences at its first token) or, in beam search, its processed log-probs."""
         rows = [StepRow(m, seq_id) for m in metadata_list for seq_id in m.seq_data]
         inp = self.prepare_prefill(rows) if is_prompt else self.prepare_decode(rows)
         self.backend.plan(inp.metadata)
@@ -147,8 +152,27 @@ class ModelRunner:
             encoder_hidden = self.model.encode(inp.encoder_inputs, inp.metadata)
         hidden = self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.metadata, encoder_hidden)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
-        samples = self.sampler(logits, [self._sampling_row(r) for r in rows])
-        return list(zip(rows, samples))
+        sampling = [self._sampling_row(r) for r in rows]
+        results: list[StepResult] = [None] * len(rows)
+        beam = [i for i, r in enumerate(rows) if r.group.sampling_params.use_beam_search]
+        if beam:
+            log_probs = beam_log_probs(logits[beam], [sampling[i] for i in beam])
+            for j, i in enumerate(beam):
+                results[i] = log_probs[j]
+        fanout = [(i, self._fanout(r, is_prompt)) for i, r in enumerate(rows) if results[i] is None]
+        if fanout:
+            idx = [i for i, k in fanout for _ in range(k)]
+            samples = iter(self.sampler(logits[idx], [sampling[i] for i in idx]))
+            for i, k in fanout:
+                results[i] = [next(samples) for _ in range(k)]
+        return list(zip(rows, results))
+
+    @staticmethod
+    def _fanout(row: StepRow, is_prompt: bool) -> int:
+        """A request with best_of > 1 runs one sequence through prefill, then forks at its first token."""
+        group = row.group.group
+        params = row.group.sampling_params
+        return params.best_of if is_prompt and len(group.seqs) == 1 and params.best_of > 1 else 1
 
     def _sampling_row(self, row: StepRow) -> SamplingRow:
         group, data = row.group.group, row.group.seq_data[row.seq_id]
