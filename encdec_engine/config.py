@@ -25,6 +25,7 @@ class EngineConfig:
     seed: int = 0  # for unseeded random sampling
     skip_tokenizer_init: bool = False  # token ids in, token ids out
     attention_backend: str = "auto"  # auto | torch | xformers
+    enable_prefix_caching: bool = True  # reuse cached encoder outputs (cross KV) and decoder prefixes
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

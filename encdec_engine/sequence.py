@@ -64,6 +64,7 @@ class EncoderSequence:
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
     features: Any = None  # e.g. a log-mel tensor [n_mels, n_frames] for Whisper
+    cache_key: Any = None  # identity of the encoder input for output reuse (None: never cached)
 
 
 class Sequence:
@@ -143,6 +144,7 @@ class SequenceGroup:
         self.finished_time: float | None = None
         self.generator: Any = None  # torch.Generator of a seeded request, made by the runner
         self.beam: Any = None  # BeamState of a beam-search request
+        self.encoder_cached = False  # its cross KV is already in the pool: skip the encoder
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
@@ -174,4 +176,5 @@ class SequenceGroupMetadata:
     block_tables: dict[int, list[int]]  # decoder seq id -> self-attention blocks
     encoder_seq_data: EncoderSequence | None = None
     cross_block_table: list[int] | None = None  # the group's cross-attention blocks
+    encoder_cached: bool = False  # cross KV already cached: no encoder run for this group
     group: SequenceGroup | None = None  # for sampler state (generator, processors)

@@ -15,7 +15,8 @@ checked by millisecond unit tests.
 from __future__ import annotations
 
 import enum
-from collections import deque
+import hashlib
+from collections import OrderedDict
 
 from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -30,8 +31,22 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def chain_hash(previous: bytes, *parts) -> bytes:
+    """Content key of a block: a digest of its parent's key and its own content,
+    so equal keys mean an equal prefix (no collisions to worry about)."""
+    h = hashlib.sha256(previous)
+    for part in parts:
+        h.update(repr(part).encode())
+    return h.digest()
+
+
 class BlockAllocator:
-    """Free list and reference counts of one pool of blocks."""
+    """Free blocks and reference counts of one pool, with an optional content cache.
+
+    A freed block that holds cached content (it has a hash) stays findable
+    until it is handed out again; free blocks are reused least recently
+    freed first, so cached content lives as long as possible.
+    """
 
     def __init__(self, num_blocks: int, first_id: int = 0) -> None:
         self.num_blocks = num_blocks
@@ -39,8 +54,10 @@ class BlockAllocator:
         self.reset()
 
     def reset(self) -> None:
-        self._free: deque[int] = deque(range(self.first_id, self.first_id + self.num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.first_id, self.first_id + self.num_blocks))
         self._refs: dict[int, int] = {}
+        self._cached: dict[bytes, int] = {}  # content key -> block
+        self._hash_of: dict[int, bytes] = {}  # block -> content key
 
     @property
     def num_free(self) -> int:
@@ -49,11 +66,17 @@ class BlockAllocator:
     def allocate(self) -> int:
         if not self._free:
             raise RuntimeError("out of KV cache blocks")
-        block = self._free.popleft()
+        block, _ = self._free.popitem(last=False)
+        old = self._hash_of.pop(block, None)
+        if old is not None:  # its cached content is overwritten now
+            del self._cached[old]
         self._refs[block] = 1
         return block
 
     def incref(self, block: int) -> None:
+        if self._refs.get(block, 0) == 0:
+            del self._free[block]  # a cached block brought back from the free list
+            self._refs[block] = 0
         self._refs[block] += 1
 
     def ref_count(self, block: int) -> int:
@@ -65,16 +88,29 @@ class BlockAllocator:
             self._refs[block] = refs
         else:
             del self._refs[block]
-            self._free.append(block)
+            self._free[block] = None
+
+    # -- content cache ------------------------------------------------------
+    def lookup(self, content_hash: bytes) -> int | None:
+        return self._cached.get(content_hash)
+
+    def register(self, block: int, content_hash: bytes) -> None:
+        if content_hash in self._cached:
+            return
+        self._cached[content_hash] = block
+        self._hash_of[block] = content_hash
 
 
 class BlockManager:
     """Allocates, forks, swaps and frees the self and cross block tables of groups."""
 
     def __init__(
-        self, block_size: int, num_device_blocks: int, num_swap_blocks: int = 0, watermark: float = 0.0
+        self, block_size: int, num_device_blocks: int, num_swap_blocks: int = 0, watermark: float = 0.0,
+        enable_caching: bool = False,
     ) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.cache_stats = {"cross_queries": 0, "cross_hits": 0, "self_queries": 0, "self_block_hits": 0}
         self.device = BlockAllocator(num_device_blocks, first_id=1)  # 0 is the padding block
         self.swap = BlockAllocator(num_swap_blocks)
         self.watermark_blocks = int(watermark * num_device_blocks)
@@ -127,14 +163,60 @@ class BlockManager:
         return AllocStatus.LATER
 
     def allocate(self, group: SequenceGroup) -> None:
-        """Give every waiting sequence its self table and the group its cross table."""
+        """Give every waiting sequence its self table and the group its cross table.
+
+        With caching on, a group whose encoder input is already cached shares
+        those cross blocks (`group.encoder_cached`: the encoder is skipped), and
+        each sequence reuses the longest cached run of full self blocks with the
+        same encoder input and decoder prefix (`num_computed_tokens` moves past them).
+        """
+        enc = group.encoder_seq
+        key = enc.cache_key if enc is not None and self.enable_caching else None
         for seq in group.get_seqs(SequenceStatus.WAITING):
-            self.block_tables[seq.seq_id] = [
-                self.device.allocate() for _ in range(blocks_for(len(seq), self.block_size))
-            ]
-        if group.encoder_seq is not None and group.request_id not in self.cross_block_tables:
-            n = blocks_for(group.encoder_seq.num_positions, self.block_size)
-            self.cross_block_tables[group.request_id] = [self.device.allocate() for _ in range(n)]
+            self.block_tables[seq.seq_id] = self._allocate_self(seq, key)
+        if enc is not None and group.request_id not in self.cross_block_tables:
+            n = blocks_for(enc.num_positions, self.block_size)
+            hashes = [chain_hash(key, "cross", i) for i in range(n)] if key is not None else []
+            cached = [self.device.lookup(h) for h in hashes]
+            group.encoder_cached = bool(hashes) and all(b is not None for b in cached)
+            if key is not None:
+                self.cache_stats["cross_queries"] += 1
+                self.cache_stats["cross_hits"] += group.encoder_cached
+            if group.encoder_cached:
+                for block in cached:
+                    self.device.incref(block)
+                self.cross_block_tables[group.request_id] = cached
+            else:
+                table = [self.device.allocate() for _ in range(n)]
+                for block, h in zip(table, hashes):  # computed by this group's prefill, this step
+                    self.device.register(block, h)
+                self.cross_block_tables[group.request_id] = table
+
+    def _allocate_self(self, seq: Sequence, key) -> list[int]:
+        bs, tokens = self.block_size, seq.data.token_ids
+        table: list[int] = []
+        hashes: list[bytes] = []
+        if key is not None:
+            previous = chain_hash(key, "self")
+            # Full blocks only, and never the block holding the last token: it must be computed for logits.
+            for i in range((len(tokens) - 1) // bs):
+                previous = chain_hash(previous, tokens[i * bs : (i + 1) * bs])
+                hashes.append(previous)
+            self.cache_stats["self_queries"] += 1
+            for h in hashes:
+                block = self.device.lookup(h)
+                if block is None:
+                    break
+                self.device.incref(block)
+                table.append(block)
+            self.cache_stats["self_block_hits"] += len(table)
+            seq.data.num_computed_tokens = len(table) * bs
+        while len(table) < blocks_for(len(seq), bs):
+            block = self.device.allocate()
+            if len(table) < len(hashes):
+                self.device.register(block, hashes[len(table)])
+            table.append(block)
+        return table
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         # Worst case: each running sequence needs one new (or copied) block.
@@ -233,6 +315,8 @@ class BlockManager:
         self.free_cross(group)
 
     def reset(self) -> None:
+        for key in self.cache_stats:
+            self.cache_stats[key] = 0
         self.device.reset()
         self.swap.reset()
         self.block_tables.clear()

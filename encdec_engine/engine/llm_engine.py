@@ -38,7 +38,7 @@ class LLMEngine:
         per_block = bytes_per_block(spec, bs, self.dtype)
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_space_gb * _GiB // per_block))
         num_swap = int(config.swap_space_gb * _GiB // per_block)
-        self.block_manager = BlockManager(bs, num_blocks, num_swap)
+        self.block_manager = BlockManager(bs, num_blocks, num_swap, enable_caching=config.enable_prefix_caching)
         budget = config.max_num_batched_tokens or max(16384, loaded.max_encoder_len + self.max_decoder_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget), self.block_manager)
         self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.dtype, self.device)
@@ -107,7 +107,7 @@ class LLMEngine:
             return outputs
         self.stats["prefill_steps" if out.is_prompt else "decode_steps"] += 1
         if out.is_prompt:
-            self.stats["encoder_runs"] += sum(1 for g in out.groups if g.encoder_seq is not None)
+            self.stats["encoder_runs"] += sum(1 for g in out.groups if g.encoder_seq is not None and not g.encoder_cached)
         now = time.monotonic()
         beam_rows: dict[str, list] = {}
         for row, result in self.runner.execute(metadata, out.is_prompt):

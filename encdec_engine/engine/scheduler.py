@@ -126,6 +126,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.block_manager.allocate(group)
+            if group.encoder_cached:
+                out.num_batched_tokens -= group.encoder_seq.num_positions
             for seq in group.get_seqs(SequenceStatus.WAITING):
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
@@ -202,5 +204,6 @@ class Scheduler:
             block_tables={s.seq_id: self.block_manager.get_block_table(s) for s in seqs},
             encoder_seq_data=group.encoder_seq,
             cross_block_table=self.block_manager.get_cross_block_table(group),
+            encoder_cached=group.encoder_cached,
             group=group,
         )

@@ -97,6 +97,54 @@ def cmd_summarize(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import os
+
+    from encdec_engine.entrypoints.server import ServerLimits, run_server
+
+    model = args.model
+    if model is None:
+        from encdec_engine.models.ct2_import import default_model_path
+
+        model = str(default_model_path())
+    elif _is_ct2_folder(model):
+        from encdec_engine.models.ct2_import import import_ct2_whisper
+
+        model = str(import_ct2_whisper(model, Path(model) / ".encdec-hf"))
+    limits = ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
+                          max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
+                          max_audio_seconds=args.max_audio_seconds)
+    engine = dict(dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                  kv_cache_space_gb=args.kv_cache_space_gb, swap_space_gb=args.swap_space_gb,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                  seed=args.seed)
+    run_server(model, host=args.host, port=args.port, limits=limits, served_model_name=args.served_model_name,
+               shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, **engine)
+    return 0
+
+
+def _add_serve_parser(sub) -> None:
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (transcriptions or completions)")
+    _engine_args(sv, model_required=False)
+    sv.set_defaults(model=None)
+    sv.add_argument("--swap-space-gb", type=float, default=0.0, help="CPU swap pool for preempted requests")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=None)
+    sv.add_argument("--max-model-len", type=int, default=None, help="decoder positions")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $ENCDEC_API_KEY, else none)")
+    sv.add_argument("--max-queue", type=int, default=256, help="requests waiting to start; beyond: 429")
+    sv.add_argument("--max-upload-mb", type=float, default=25.0, help="request body limit; beyond: 413")
+    sv.add_argument("--max-audio-seconds", type=float, default=3600.0, help="audio length limit; beyond: 413")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="encdec", description="Serve encoder/decoder transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     summ.add_argument("--min-tokens", type=int, default=None)
     summ.add_argument("--quiet", action="store_true")
     summ.set_defaults(func=cmd_summarize)
+
+    _add_serve_parser(sub)
     return parser
 
 

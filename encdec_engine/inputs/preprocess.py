@@ -83,7 +83,7 @@ class InputProcessor:
         ids = self._tokens(prompt, "encoder prompt", add_special_tokens=True, drop_eos=False)
         ids = self._truncate(ids, params, "encoder prompt", self.max_encoder_len)
         return EncoderSequence(num_positions=self.model.encoder_num_positions(len(ids)), prompt_token_ids=ids,
-                               prompt=prompt.text)
+                               prompt=prompt.text, cache_key=content_key(ids))
 
     def _audio_encoder_sequence(self, prompt: ParsedSingleton) -> EncoderSequence:
         import torch
@@ -115,7 +115,8 @@ class InputProcessor:
             features = log_mel_spectrogram([samples], n_mels=self.num_mel_bins)[0]
         else:
             raise ValueError("an audio model needs multi_modal_data={'audio': (samples, sample_rate)}")
-        return EncoderSequence(num_positions=self.model.encoder_num_positions(N_FRAMES), features=features)
+        return EncoderSequence(num_positions=self.model.encoder_num_positions(N_FRAMES), features=features,
+                               cache_key=content_key(features))
 
     # -- helpers -------------------------------------------------------------
     def _tokens(self, prompt: ParsedSingleton, what: str, add_special_tokens: bool, drop_eos: bool) -> list[int]:
@@ -153,7 +154,14 @@ class InputProcessor:
                              f"limit of {self.max_decoder_len} positions")
 
 
-def describe_prompt(prompt: Any) -> str:
-    """A short description of a prompt for error messages."""
-    text = repr(prompt)
-    return text if len(text) <= 60 else text[:57] + "..."
+def content_key(encoder_input) -> bytes:
+    """A digest identifying an encoder input (token ids or a feature tensor) for output reuse."""
+    import hashlib
+
+    import numpy as np
+
+    if isinstance(encoder_input, list):
+        data = np.asarray(encoder_input, dtype=np.int64).tobytes()
+    else:
+        data = encoder_input.detach().cpu().contiguous().numpy().tobytes()
+    return hashlib.sha256(data).digest()

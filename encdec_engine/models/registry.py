@@ -9,6 +9,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
     "BartModel": ("bart", "BartForConditionalGeneration"),
     "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
+    # Decoder-only models: the degenerate case (no encoder, no cross cache).
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
 }
 
 
@@ -18,7 +21,8 @@ def supported_architectures() -> list[str]:
 
 def resolve_model_class(hf_config) -> type:
     archs = list(getattr(hf_config, "architectures", None) or [])
-    default_for_type = {"bart": "BartForConditionalGeneration", "whisper": "WhisperForConditionalGeneration"}
+    default_for_type = {"bart": "BartForConditionalGeneration", "whisper": "WhisperForConditionalGeneration",
+                        "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
     if not archs and getattr(hf_config, "model_type", None) in default_for_type:
         archs = [default_for_type[hf_config.model_type]]
     for arch in archs:

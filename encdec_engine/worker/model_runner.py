@@ -108,21 +108,34 @@ class ModelRunner:
         )
 
     def _prepare_encoder(self, groups, rows: list[StepRow], dec: TokenArrays):
-        encs = [g.encoder_seq_data for g in groups]
-        enc_lens = np.array([e.num_positions for e in encs], dtype=np.int64)
-        token_table = pad_rows([e.prompt_token_ids for e in encs]) if encs[0].features is None else None
-        enc = prepare_token_arrays(enc_lens, np.zeros_like(enc_lens), pad_rows([g.cross_block_table for g in groups]),
-                                   self.block_size, token_table)
-        encoder = self._view(enc.query_start_loc, enc_lens, causal=False, key_start_loc=enc.query_start_loc[:-1])
-        # Cross: each decoder sequence attends to its group's encoder segment.
+        """Encoder inputs and views. Groups whose cross KV is already cached skip the encoder;
+        then the cross view reads every group's cross cache (the fresh K/V are stored first)."""
+        to_encode = [g for g in groups if not g.encoder_cached]
         group_index = {id(g): i for i, g in enumerate(groups)}
         seq_group = np.array([group_index[id(r.group)] for r in rows], dtype=np.int64)
-        cross = self._view(dec.query_start_loc, enc_lens[seq_group], causal=False, slot_mapping=enc.slot_mapping,
-                           key_start_loc=enc.query_start_loc[seq_group])
-        if token_table is not None:
-            inputs = EncoderInputs(input_ids=self._tensor(enc.input_ids), positions=self._tensor(enc.positions))
+        enc_lens_all = np.array([g.encoder_seq_data.num_positions for g in groups], dtype=np.int64)
+        inputs = encoder = None
+        slots = None
+        if to_encode:
+            encs = [g.encoder_seq_data for g in to_encode]
+            enc_lens = np.array([e.num_positions for e in encs], dtype=np.int64)
+            token_table = pad_rows([e.prompt_token_ids for e in encs]) if encs[0].features is None else None
+            enc = prepare_token_arrays(enc_lens, np.zeros_like(enc_lens),
+                                       pad_rows([g.cross_block_table for g in to_encode]), self.block_size,
+                                       token_table)
+            encoder = self._view(enc.query_start_loc, enc_lens, causal=False, key_start_loc=enc.query_start_loc[:-1])
+            slots = enc.slot_mapping
+            if token_table is not None:
+                inputs = EncoderInputs(input_ids=self._tensor(enc.input_ids), positions=self._tensor(enc.positions))
+            else:
+                inputs = EncoderInputs(features=torch.stack([e.features for e in encs]).to(self.device))
+        if len(to_encode) == len(groups):
+            # Each decoder sequence attends to its group's fresh encoder segment.
+            cross = self._view(dec.query_start_loc, enc_lens_all[seq_group], causal=False, slot_mapping=slots,
+                               key_start_loc=enc.query_start_loc[seq_group])
         else:
-            inputs = EncoderInputs(features=torch.stack([e.features for e in encs]).to(self.device))
+            cross = self._view(dec.query_start_loc, enc_lens_all[seq_group], causal=False, slot_mapping=slots,
+                               block_tables=pad_rows([r.group.cross_block_table for r in rows]))
         return inputs, encoder, cross
 
     def prepare_decode(self, rows: list[StepRow]) -> ModelInput:

@@ -1,0 +1,279 @@
+"""Request and response schemas of the OpenAI-compatible server (pydantic, validated at the edge).
+
+Field names and shapes follow OpenAI's API so its official client works unchanged;
+the extra sampling fields of `/v1/completions` follow vLLM's names. A request that
+does not validate gets a 400 naming the field, never a 500.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from encdec_engine.sampling_params import SamplingParams
+
+MAX_PROMPTS = 256  # prompts in one completion request
+MAX_N = 16  # completions per prompt
+
+
+# -- errors -----------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str  # invalid_request_error | authentication_error | not_found_error | ...
+    param: str | None = None
+    code: int | None = None  # the HTTP status
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# -- completions ------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False  # a last chunk with `usage` and no choices
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _singleton(value: Any, what: str) -> str | dict:
+    """A string, a token id list, {"prompt": str} or {"prompt_token_ids": [int]} -> an engine prompt."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f"{what} is an empty string")
+        return value
+    if _is_token_list(value):
+        if not value:
+            raise ValueError(f"{what} is an empty list of token ids")
+        return {"prompt_token_ids": value}
+    if isinstance(value, dict) and set(value) in ({"prompt"}, {"prompt_token_ids"}):
+        return _singleton(value.get("prompt", value.get("prompt_token_ids")), what)
+    raise ValueError(f"{what} must be a string, a list of token ids, {{\"prompt\": str}} or "
+                     f"{{\"prompt_token_ids\": [int, ...]}}, got {type(value).__name__}")
+
+
+def _one_prompt(value: Any, what: str) -> str | dict:
+    if isinstance(value, dict) and "encoder_prompt" in value:
+        extra = set(value) - {"encoder_prompt", "decoder_prompt"}
+        if extra:
+            raise ValueError(f"{what} has unknown keys {sorted(extra)}; expected encoder_prompt and decoder_prompt")
+        decoder = value.get("decoder_prompt")
+        return {"encoder_prompt": _singleton(value["encoder_prompt"], f"{what}.encoder_prompt"),
+                "decoder_prompt": None if decoder is None else _singleton(decoder, f"{what}.decoder_prompt")}
+    return _singleton(value, what)
+
+
+def parse_prompts(value: Any) -> list[str | dict]:
+    """OpenAI's `prompt` (string, list of strings, token ids, list of token id lists) plus explicit
+    `{"encoder_prompt": ..., "decoder_prompt": ...}` objects (alone or in a list) -> engine prompts."""
+    if isinstance(value, list) and value and not _is_token_list(value):
+        prompts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(value)]
+    else:
+        prompts = [_one_prompt(value, "prompt")]
+    if len(prompts) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    return prompts
+
+
+class CompletionRequest(BaseModel):
+    """`POST /v1/completions`. For an encoder/decoder model the prompt is the encoder prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: Any = Field(description="string, list of strings, token ids, list of token id lists, or "
+                                    "{'encoder_prompt': ..., 'decoder_prompt': ...} (or a list of them)")
+    max_tokens: int | None = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # OpenAI fields accepted only at their neutral value.
+    echo: bool = False
+    suffix: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields.
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    no_repeat_ngram_size: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _parse_prompt(cls, value: Any) -> list[str | dict]:
+        return parse_prompts(value)
+
+    @model_validator(mode="after")
+    def _supported(self) -> CompletionRequest:
+        unsupported = {"echo": self.echo, "suffix": self.suffix is not None, "logit_bias": bool(self.logit_bias),
+                       "presence_penalty": self.presence_penalty != 0.0,
+                       "frequency_penalty": self.frequency_penalty != 0.0}
+        named = [name for name, used in unsupported.items() if used]
+        if named:
+            raise ValueError(f"not supported by this server: {', '.join(named)} (leave at the default)")
+        if self.stream and self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n when streaming")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream=true")
+        return self
+
+    def sampling_params(self) -> SamplingParams:
+        """Raises ValueError (a 400) for combinations SamplingParams rejects."""
+        return SamplingParams(
+            n=self.n, best_of=self.best_of, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, max_tokens=self.max_tokens, min_tokens=self.min_tokens,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            repetition_penalty=self.repetition_penalty, no_repeat_ngram_size=self.no_repeat_ngram_size,
+            logprobs=self.logprobs, skip_special_tokens=self.skip_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+        )
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int  # prompt_index * n + completion_index
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int  # encoder prompt + decoder prompt tokens
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# -- audio ------------------------------------------------------------------
+AudioResponseFormat = Literal["json", "text", "srt", "vtt", "verbose_json"]
+
+
+class TranslationRequest(BaseModel):
+    """The form fields of `POST /v1/audio/translations` (the file travels beside them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None  # text that conditions the first window
+    response_format: AudioResponseFormat = "json"
+    temperature: float = Field(0.0, ge=0.0, le=1.0)  # 0: greedy with temperature fallback
+
+
+class TranscriptionRequest(TranslationRequest):
+    """The form fields of `POST /v1/audio/transcriptions`."""
+
+    language: str | None = None  # ISO-639-1 code; None: English-only models use English, others detect
+    timestamp_granularities: list[Literal["segment"]] = Field(default_factory=list)
+    stream: bool = False
+
+    @field_validator("timestamp_granularities", mode="before")
+    @classmethod
+    def _segments_only(cls, value: Any) -> Any:
+        if isinstance(value, list) and "word" in value:
+            raise ValueError("word timestamps are not supported; use timestamp_granularities[]=segment")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_formats(self) -> TranscriptionRequest:
+        if self.stream and self.response_format not in ("json", "text"):
+            raise ValueError(f"stream=true sends transcript.text events; response_format must be json or text, "
+                             f"got {self.response_format!r}")
+        return self
+
+
+class TranscriptionSegment(BaseModel):
+    id: int
+    seek: int  # mel frame (10 ms) where the segment starts
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+
+class AudioUsage(BaseModel):
+    type: Literal["duration"] = "duration"
+    seconds: float
+
+
+class TranscriptionResponse(BaseModel):
+    text: str
+    usage: AudioUsage | None = None
+
+
+class TranscriptionVerboseResponse(BaseModel):
+    task: Literal["transcribe", "translate"]
+    language: str  # the language's English name, as OpenAI gives it ("english")
+    duration: float
+    text: str
+    segments: list[TranscriptionSegment]
+    usage: AudioUsage | None = None
+
+
+class TranscriptDelta(BaseModel):
+    type: Literal["transcript.text.delta"] = "transcript.text.delta"
+    delta: str
+
+
+class TokenUsage(BaseModel):
+    type: Literal["tokens"] = "tokens"
+    input_tokens: int  # decoder prompt tokens + encoder positions (audio tokens)
+    output_tokens: int
+    total_tokens: int
+
+
+class TranscriptDone(BaseModel):
+    type: Literal["transcript.text.done"] = "transcript.text.done"
+    text: str
+    usage: TokenUsage | None = None
+
+
+# -- models -----------------------------------------------------------------
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "encdec-engine"
+    root: str | None = None  # the checkpoint folder
+    max_model_len: int | None = None  # decoder positions
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
