@@ -292,20 +292,18 @@ class BlockManager:
 
     # -- freeing -------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
-        table = self.block_tables.pop(seq.seq_id, None)
-        if table is None:
-            return
-        pool = self.swap if seq.seq_id in self._swapped_seqs else self.device
-        self._swapped_seqs.discard(seq.seq_id)
-        for block in table:
-            pool.free(block)
+        """Release a sequence's self table (from whichever pool it lives in)."""
+        self._release(self.block_tables.pop(seq.seq_id, None), seq.seq_id, self._swapped_seqs)
 
     def free_cross(self, group: SequenceGroup) -> None:
-        table = self.cross_block_tables.pop(group.request_id, None)
+        """Release a group's cross table (from whichever pool it lives in)."""
+        self._release(self.cross_block_tables.pop(group.request_id, None), group.request_id, self._swapped_cross)
+
+    def _release(self, table: list[int] | None, key, swapped: set) -> None:
         if table is None:
             return
-        pool = self.swap if group.request_id in self._swapped_cross else self.device
-        self._swapped_cross.discard(group.request_id)
+        pool = self.swap if key in swapped else self.device
+        swapped.discard(key)
         for block in table:
             pool.free(block)
 

@@ -15,71 +15,12 @@ import torch
 from torch import nn
 
 from encdec_engine.attention.backends.base import AttentionBackend
-from encdec_engine.attention.layer import Attention
-from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
-from encdec_engine.layers.activation import get_activation
+from encdec_engine.attention.metadata import AttentionMetadata
+from encdec_engine.models.encdec_layers import EncDecLayer
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
 from encdec_engine.models.weights import WeightLoader
 
 _POSITION_OFFSET = 2  # BART's learned positions start at index 2
-
-
-class BartAttention(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType, backend: AttentionBackend) -> None:
-        super().__init__()
-        head_dim = d_model // num_heads
-        if head_dim * num_heads != d_model:
-            raise ValueError(f"d_model {d_model} is not divisible by {num_heads} heads")
-        self.attn_type = attn_type
-        if attn_type == AttentionType.ENCODER_DECODER:
-            self.q_proj = nn.Linear(d_model, d_model)
-            self.kv_proj = nn.Linear(d_model, 2 * d_model)
-        else:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
-        self.attn = Attention(num_heads, head_dim, head_dim**-0.5, attn_type, backend)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [num_tokens, d_model]
-        kv_cache: torch.Tensor | None,
-        metadata: AttentionMetadata,
-        encoder_hidden: torch.Tensor | None = None,  # [num_encoder_tokens, d_model], prefill only
-    ) -> torch.Tensor:
-        if self.attn_type == AttentionType.ENCODER_DECODER:
-            q = self.q_proj(hidden)
-            k = v = None
-            if encoder_hidden is not None:
-                k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)
-        else:
-            q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
-        return self.out_proj(self.attn(q, k, v, kv_cache, metadata))
-
-
-class BartLayer(nn.Module):
-    """One encoder layer, or (with cross-attention) one decoder layer."""
-
-    def __init__(self, config, backend: AttentionBackend, is_decoder: bool) -> None:
-        super().__init__()
-        d = config.d_model
-        heads = config.decoder_attention_heads if is_decoder else config.encoder_attention_heads
-        ffn = config.decoder_ffn_dim if is_decoder else config.encoder_ffn_dim
-        self.self_attn = BartAttention(d, heads, AttentionType.DECODER if is_decoder else AttentionType.ENCODER,
-                                       backend)
-        self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.encoder_attn = BartAttention(d, heads, AttentionType.ENCODER_DECODER, backend) if is_decoder else None
-        self.encoder_attn_layer_norm = nn.LayerNorm(d) if is_decoder else None
-        self.fc1 = nn.Linear(d, ffn)
-        self.fc2 = nn.Linear(ffn, d)
-        self.final_layer_norm = nn.LayerNorm(d)
-        self.act = get_activation(config.activation_function)
-
-    def forward(self, hidden, kv_cache, metadata, encoder_hidden=None) -> torch.Tensor:
-        hidden = self.self_attn_layer_norm(hidden + self.self_attn(hidden, kv_cache, metadata))
-        if self.encoder_attn is not None:
-            cross = self.encoder_attn(hidden, kv_cache, metadata, encoder_hidden)
-            hidden = self.encoder_attn_layer_norm(hidden + cross)
-        return self.final_layer_norm(hidden + self.fc2(self.act(self.fc1(hidden))))
 
 
 class BartStack(nn.Module):
@@ -90,7 +31,7 @@ class BartStack(nn.Module):
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         self.embed_positions = nn.Embedding(config.max_position_embeddings + _POSITION_OFFSET, config.d_model)
         self.layernorm_embedding = nn.LayerNorm(config.d_model)
-        self.layers = nn.ModuleList(BartLayer(config, backend, is_decoder) for _ in range(num_layers))
+        self.layers = nn.ModuleList(EncDecLayer(config, backend, is_decoder, pre_norm=False) for _ in range(num_layers))
 
     def forward(self, input_ids, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:
         embeds = self.embed_tokens(input_ids) * self.embed_scale

@@ -17,62 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec_engine.attention.backends.base import AttentionBackend
-from encdec_engine.attention.layer import Attention
-from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
-from encdec_engine.layers.activation import get_activation
+from encdec_engine.attention.metadata import AttentionMetadata
+from encdec_engine.models.encdec_layers import EncDecLayer
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
 from encdec_engine.models.weights import WeightLoader
-
-
-class WhisperAttention(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType, backend: AttentionBackend) -> None:
-        super().__init__()
-        head_dim = d_model // num_heads
-        self.scaling = head_dim**-0.5
-        self.attn_type = attn_type
-        if attn_type == AttentionType.ENCODER_DECODER:
-            self.q_proj = nn.Linear(d_model, d_model)
-            self.kv_proj = nn.Linear(d_model, 2 * d_model)  # k's share of the bias is zero
-        else:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
-        self.attn = Attention(num_heads, head_dim, 1.0, attn_type, backend)
-
-    def forward(self, hidden, kv_cache, metadata: AttentionMetadata, encoder_hidden=None) -> torch.Tensor:
-        if self.attn_type == AttentionType.ENCODER_DECODER:
-            q = self.q_proj(hidden)
-            k = v = None
-            if encoder_hidden is not None:
-                k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)
-        else:
-            q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
-        return self.out_proj(self.attn(q * self.scaling, k, v, kv_cache, metadata))
-
-
-class WhisperLayer(nn.Module):
-    """One pre-norm encoder layer, or (with cross-attention) one decoder layer."""
-
-    def __init__(self, config, backend: AttentionBackend, is_decoder: bool) -> None:
-        super().__init__()
-        d = config.d_model
-        heads = config.decoder_attention_heads if is_decoder else config.encoder_attention_heads
-        ffn = config.decoder_ffn_dim if is_decoder else config.encoder_ffn_dim
-        self_type = AttentionType.DECODER if is_decoder else AttentionType.ENCODER
-        self.self_attn = WhisperAttention(d, heads, self_type, backend)
-        self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.encoder_attn = WhisperAttention(d, heads, AttentionType.ENCODER_DECODER, backend) if is_decoder else None
-        self.encoder_attn_layer_norm = nn.LayerNorm(d) if is_decoder else None
-        self.fc1 = nn.Linear(d, ffn)
-        self.fc2 = nn.Linear(ffn, d)
-        self.final_layer_norm = nn.LayerNorm(d)
-        self.act = get_activation(config.activation_function)
-
-    def forward(self, hidden, kv_cache, metadata, encoder_hidden=None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.self_attn_layer_norm(hidden), kv_cache, metadata)
-        if self.encoder_attn is not None:
-            hidden = hidden + self.encoder_attn(self.encoder_attn_layer_norm(hidden), kv_cache, metadata,
-                                                encoder_hidden)
-        return hidden + self.fc2(self.act(self.fc1(self.final_layer_norm(hidden))))
 
 
 class WhisperEncoder(nn.Module):
@@ -82,7 +30,7 @@ class WhisperEncoder(nn.Module):
         self.conv1 = nn.Conv1d(config.num_mel_bins, d, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
         self.embed_positions = nn.Embedding(config.max_source_positions, d)
-        self.layers = nn.ModuleList(WhisperLayer(config, backend, False) for _ in range(config.encoder_layers))
+        self.layers = nn.ModuleList(EncDecLayer(config, backend, False, pre_norm=True, prescale_query=True) for _ in range(config.encoder_layers))
         self.layer_norm = nn.LayerNorm(d)
 
     def forward(self, features: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -99,7 +47,7 @@ class WhisperDecoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.embed_positions = nn.Embedding(config.max_target_positions, config.d_model)
-        self.layers = nn.ModuleList(WhisperLayer(config, backend, True) for _ in range(config.decoder_layers))
+        self.layers = nn.ModuleList(EncDecLayer(config, backend, True, pre_norm=True, prescale_query=True) for _ in range(config.decoder_layers))
         self.layer_norm = nn.LayerNorm(config.d_model)
 
     def forward(self, input_ids, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:

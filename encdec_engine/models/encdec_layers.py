@@ -1,0 +1,95 @@
+"""The attention and layer shared by the BART family and Whisper.
+
+One attention class serves encoder self-, decoder self- and cross-attention
+(parameterized by its AttentionType); one layer serves the encoder and (with
+cross-attention) the decoder, post-norm (BART) or pre-norm (Whisper).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from encdec_engine.attention.backends.base import AttentionBackend
+from encdec_engine.attention.layer import Attention
+from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
+from encdec_engine.layers.activation import get_activation
+
+
+class EncDecAttention(nn.Module):
+    """Fused q/k/v projection (self-attention) or q + fused k/v (cross-attention).
+
+    `prescale_query` scales q before attention instead of inside it (Whisper
+    does, and the order of rounding must match HF's to keep parity).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType, backend: AttentionBackend,
+                 prescale_query: bool = False) -> None:
+        super().__init__()
+        head_dim = d_model // num_heads
+        if head_dim * num_heads != d_model:
+            raise ValueError(f"d_model {d_model} is not divisible by {num_heads} heads")
+        self.attn_type = attn_type
+        self.scaling = head_dim**-0.5
+        self.prescale_query = prescale_query
+        if attn_type == AttentionType.ENCODER_DECODER:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.attn = Attention(num_heads, head_dim, 1.0 if prescale_query else self.scaling, attn_type, backend)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, d_model]
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+        encoder_hidden: torch.Tensor | None = None,  # [num_encoder_tokens, d_model], prefill only
+    ) -> torch.Tensor:
+        if self.attn_type == AttentionType.ENCODER_DECODER:
+            q = self.q_proj(hidden)
+            k = v = None
+            if encoder_hidden is not None:  # decode steps read the cross cache instead
+                k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)
+        else:
+            q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
+        if self.prescale_query:
+            q = q * self.scaling
+        return self.out_proj(self.attn(q, k, v, kv_cache, metadata))
+
+
+class EncDecLayer(nn.Module):
+    """One encoder layer, or (with cross-attention) one decoder layer."""
+
+    def __init__(self, config, backend: AttentionBackend, is_decoder: bool, pre_norm: bool,
+                 prescale_query: bool = False) -> None:
+        super().__init__()
+        d = config.d_model
+        heads = config.decoder_attention_heads if is_decoder else config.encoder_attention_heads
+        ffn = config.decoder_ffn_dim if is_decoder else config.encoder_ffn_dim
+        self_type = AttentionType.DECODER if is_decoder else AttentionType.ENCODER
+        self.pre_norm = pre_norm
+        self.self_attn = EncDecAttention(d, heads, self_type, backend, prescale_query)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = None
+        if is_decoder:
+            self.encoder_attn = EncDecAttention(d, heads, AttentionType.ENCODER_DECODER, backend, prescale_query)
+            self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, ffn)
+        self.fc2 = nn.Linear(ffn, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.act = get_activation(config.activation_function)
+
+    def _residual(self, hidden: torch.Tensor, norm: nn.LayerNorm, block) -> torch.Tensor:
+        if self.pre_norm:
+            return hidden + block(norm(hidden))
+        return norm(hidden + block(hidden))
+
+    def forward(self, hidden, kv_cache, metadata, encoder_hidden=None) -> torch.Tensor:
+        hidden = self._residual(hidden, self.self_attn_layer_norm,
+                                lambda h: self.self_attn(h, kv_cache, metadata))
+        if self.encoder_attn is not None:
+            hidden = self._residual(hidden, self.encoder_attn_layer_norm,
+                                    lambda h: self.encoder_attn(h, kv_cache, metadata, encoder_hidden))
+        return self._residual(hidden, self.final_layer_norm, lambda h: self.fc2(self.act(self.fc1(h))))
