@@ -111,10 +111,10 @@ class SamplingParams:
     def use_beam_search(self) -> bool:
         return self.num_beams > 1
 
-    def all_stop_token_ids(self, eos_token_id: int | None) -> set[int]:
-        """Token ids that end a sequence (EOS unless ignored, plus stop_token_ids)."""
+    def all_stop_token_ids(self, eos_token_ids) -> set[int]:
+        """Token ids that end a sequence (the EOS ids unless ignored, plus stop_token_ids)."""
         ids = set(self.stop_token_ids)
-        if eos_token_id is not None and not self.ignore_eos:
-            ids.add(eos_token_id)
+        if not self.ignore_eos:
+            ids.update(eos_token_ids)
         return ids
 

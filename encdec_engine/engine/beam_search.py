@@ -38,7 +38,7 @@ class BeamState:
     early_stopping: bool | str
     prompt_len: int  # decoder prompt length (HF's decoder_prompt_len)
     max_length: int  # prompt_len + max_tokens
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # HF: every generation-config EOS id finishes a beam
     running_scores: torch.Tensor = field(init=False)  # [num_beams]
     finished_scores: torch.Tensor = field(init=False)  # [num_beams] length-normalized, -1e9 when empty
     finished_tokens: list[list[int]] = field(init=False)  # generated tokens of each finished slot
@@ -63,10 +63,10 @@ class BeamState:
         vocab = log_probs.shape[1]
         cur_len = self.prompt_len + len(generated[0])
         scores = (log_probs + self.running_scores[:, None]).reshape(-1)
-        keep = 2 * k  # HF: max(2, 1 + number of EOS ids) * num_beams
+        keep = max(2, 1 + len(self.eos_token_ids)) * k
         top_scores, top_idx = torch.topk(scores, k=keep)
         beam_idx, token_ids = top_idx // vocab, top_idx % vocab
-        hits = token_ids == (self.eos_token_id if self.eos_token_id is not None else -1)
+        hits = torch.isin(token_ids, torch.tensor(self.eos_token_ids, dtype=token_ids.dtype))
         if cur_len + 1 >= self.max_length:
             hits = torch.ones_like(hits)
         candidates = [generated[b] + [t] for b, t in zip(beam_idx.tolist(), token_ids.tolist())]

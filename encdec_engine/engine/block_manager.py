@@ -171,7 +171,9 @@ class BlockManager:
         same encoder input and decoder prefix (`num_computed_tokens` moves past them).
         """
         enc = group.encoder_seq
-        key = enc.cache_key if enc is not None and self.enable_caching else None
+        key = None
+        if self.enable_caching:  # decoder-only prompts share prefixes under one fixed key
+            key = enc.cache_key if enc is not None else b"decoder-only"
         for seq in group.get_seqs(SequenceStatus.WAITING):
             self.block_tables[seq.seq_id] = self._allocate_self(seq, key)
         if enc is not None and group.request_id not in self.cross_block_tables:

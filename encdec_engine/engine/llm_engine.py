@@ -32,6 +32,7 @@ class LLMEngine:
         self.generation_config = loaded.generation_config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.eos_token_id = loaded.eos_token_id
+        self.eos_token_ids = loaded.eos_token_ids
         self.max_decoder_len = min(config.max_model_len or loaded.max_decoder_len, loaded.max_decoder_len)
 
         spec, bs = self.model.kv_cache_spec, config.block_size
@@ -43,7 +44,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget), self.block_manager)
         self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.dtype, self.device)
         self.runner = ModelRunner(self.model, loaded.backend, self.cache_engine, bs, self.device,
-                                  self.eos_token_id, config.seed)
+                                  self.eos_token_ids, config.seed)
         self.input_processor = InputProcessor(
             self.model, self.tokenizer, loaded.vocab_size, self.max_decoder_len, loaded.max_encoder_len,
             loaded.decoder_start_token_id, loaded.default_decoder_prompt, self.eos_token_id,
@@ -71,7 +72,7 @@ class LLMEngine:
             max_new = params.max_tokens or self.max_decoder_len - prompt_len
             group.beam = BeamState(params.num_beams, params.length_penalty, params.early_stopping, prompt_len,
                                    min(prompt_len + max_new, self.max_decoder_len),
-                                   None if params.ignore_eos else self.eos_token_id)
+                                   () if params.ignore_eos else self.eos_token_ids)
         self.groups[request_id] = group
         self.scheduler.add(group)
 
@@ -173,7 +174,7 @@ class LLMEngine:
             delta = self.detokenizer.step(seq, params.skip_special_tokens)
         num_out = len(seq.output_token_ids)
         if num_out >= params.min_tokens:
-            if token == self.eos_token_id and not params.ignore_eos:
+            if token in self.eos_token_ids and not params.ignore_eos:
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 return
             if token in params.stop_token_ids:
@@ -202,7 +203,7 @@ class LLMEngine:
             text = ""
             if self.tokenizer is not None:
                 text = self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
-            reason = "stop" if tokens and tokens[-1] == self.eos_token_id else "length"
+            reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
             outputs.append(CompletionOutput(i, text, tokens, score, None, reason))
         return outputs
 

@@ -29,7 +29,8 @@ class LoadedModel:
     max_encoder_len: int
     decoder_start_token_id: int | None
     default_decoder_prompt: list[int] | None
-    eos_token_id: int | None
+    eos_token_id: int | None  # the tokenizer's EOS (dropped from decoder text prompts)
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (HF: the generation config's list)
     decoder_prompt_starts: tuple[int, ...] = ()
 
 
@@ -90,6 +91,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     eos = hf_config.eos_token_id
     if isinstance(eos, list):
         eos = eos[0]
+    stop = getattr(generation_config, "eos_token_id", None)
+    stop = stop if stop is not None else hf_config.eos_token_id
+    stop = tuple(stop) if isinstance(stop, (list, tuple)) else (() if stop is None else (stop,))
     return LoadedModel(
         model=model, tokenizer=tokenizer, hf_config=hf_config, generation_config=generation_config,
         backend=backend, vocab_size=hf_config.vocab_size, max_decoder_len=model.max_decoder_len,
@@ -97,5 +101,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
         decoder_start_token_id=getattr(hf_config, "decoder_start_token_id", None) if model.is_encoder_decoder else None,
         default_decoder_prompt=model.default_decoder_prompt(generation_config) if model.is_encoder_decoder else None,
         eos_token_id=eos,
+        eos_token_ids=stop,
         decoder_prompt_starts=tuple(t for t in [getattr(generation_config, "prev_sot_token_id", None)] if t is not None),
     )

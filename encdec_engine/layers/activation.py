@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """HF's NewGELUActivation op for op: `F.gelu(approximate="tanh")` differs from it in the last bits."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
-    "gelu_new": partial(F.gelu, approximate="tanh"),
+    "gelu_new": gelu_new,
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
     "silu": F.silu,

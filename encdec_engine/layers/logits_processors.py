@@ -24,7 +24,7 @@ class SamplingRow:
     prompt_token_ids: list[int]  # decoder prompt
     output_token_ids: list[int]
     generator: torch.Generator | None = None
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
@@ -65,7 +65,7 @@ def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             if banned:
                 x[banned] = NEG_INF
         if len(out) < p.min_tokens:
-            stop_ids = [t for t in p.all_stop_token_ids(row.eos_token_id) if t < vocab]
+            stop_ids = [t for t in p.all_stop_token_ids(row.eos_token_ids) if t < vocab]
             if stop_ids:
                 x[stop_ids] = NEG_INF
         if p.forced_bos_token_id is not None and not out:

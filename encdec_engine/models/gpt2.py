@@ -12,7 +12,6 @@ HF stores GPT-2's projections as `Conv1D` with weights laid out
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -29,12 +28,6 @@ from encdec_engine.models.weights import WeightLoader
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Old checkpoints (the hub's openai-community/gpt2) carry causal-mask buffers as weights.
 _MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
-
-
-def gelu_new(x: torch.Tensor) -> torch.Tensor:
-    """HF's NewGELUActivation, op for op: `F.gelu(approximate="tanh")` differs from it by
-    one ulp on about 1% of fp32 inputs (and on a third of bf16 ones)."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
 def check_config(config) -> None:
@@ -75,7 +68,7 @@ class GPT2MLP(nn.Module):
         self.c_fc = nn.Linear(d, inner)
         self.c_proj = nn.Linear(inner, d)
         name = config.activation_function
-        self.act = gelu_new if name == "gelu_new" else get_activation(name)
+        self.act = get_activation(name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(hidden)))

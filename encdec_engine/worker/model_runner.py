@@ -51,14 +51,14 @@ class StepRow:
 class ModelRunner:
     def __init__(
         self, model, backend, cache_engine: CacheEngine, block_size: int, device: torch.device,
-        eos_token_id: int | None, seed: int = 0,
+        eos_token_ids: tuple[int, ...], seed: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend
         self.cache = cache_engine
         self.block_size = block_size
         self.device = device
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
 
     # -- input preparation ---------------------------------------------------
@@ -192,4 +192,4 @@ class ModelRunner:
         params = row.group.sampling_params
         if params.seed is not None and group.generator is None:
             group.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        return SamplingRow(params, data.prompt_token_ids, data.output_token_ids, group.generator, self.eos_token_id)
+        return SamplingRow(params, data.prompt_token_ids, data.output_token_ids, group.generator, self.eos_token_ids)
