@@ -212,7 +212,7 @@ class Transcriber:
     def take(self, job: TranscriptionJob, out: RequestOutput) -> bool:
         """Take the finished request of the job's window; True if the job needs another request."""
         completion = out.outputs[0]
-        if job.language is None:  # that was language detection
+        if job.language is None and self.tokens.is_multilingual:  # that was language detection
             job.language = self.tokens.language_of(completion.token_ids[0]) or "en"
             return True
         tokens = [t for t in completion.token_ids if t != self.tokens.eot]

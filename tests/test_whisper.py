@@ -199,3 +199,11 @@ def test_initial_prompt_matches_hf_prompt_ids(tiny_en, hf_tiny_en):
     ref = ref.sequences[0].tolist()
     assert ref[: len(prompt_ids)] == prompt_ids.tolist()  # HF returns prompt + <|startoftranscript|> ...
     assert result.segments[0].tokens + [50256] == ref[len(prompt_ids) + 2 :]
+
+
+def test_english_only_checkpoint_decodes_each_window_once(tiny_en):
+    engine = tiny_en.engine
+    before = engine.stats["prefill_steps"], engine.stats["encoder_runs"]
+    tiny_en.transcribe(AUDIO / "coffee.wav", **EXACT)
+    assert engine.stats["prefill_steps"] - before[0] == 1  # no separate language-detection pass
+    assert engine.stats["encoder_runs"] - before[1] <= 1  # 0 when an earlier test cached this clip
