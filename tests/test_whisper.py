@@ -207,3 +207,17 @@ def test_english_only_checkpoint_decodes_each_window_once(tiny_en):
     tiny_en.transcribe(AUDIO / "coffee.wav", **EXACT)
     assert engine.stats["prefill_steps"] - before[0] == 1  # no separate language-detection pass
     assert engine.stats["encoder_runs"] - before[1] <= 1  # 0 when an earlier test cached this clip
+
+
+def test_beam_search_matches_hf_on_tiny_en(tiny_en, hf_tiny_en):
+    names = SHORT_CLIPS[:3]
+    features = log_mel_spectrogram([load_audio(AUDIO / n) for n in names])
+    gc = tiny_en.engine.generation_config
+    params = SamplingParams(num_beams=4, n=1, max_tokens=446, suppress_tokens=gc.suppress_tokens,
+                            begin_suppress_tokens=gc.begin_suppress_tokens)
+    outs = tiny_en.generate([{"prompt": "", "multi_modal_data": {"input_features": f}} for f in features], params,
+                            use_tqdm=False)
+    for out, f in zip(outs, features):
+        with torch.no_grad():
+            ref = hf_tiny_en.generate(input_features=f[None], num_beams=4, return_dict_in_generate=True)
+        assert out.prompt_token_ids + out.outputs[0].token_ids == ref.sequences[0].tolist()
