@@ -64,6 +64,7 @@ class EngineSnapshot:
     generated_tokens: int = 0
     num_step_errors: int = 0
     num_aborted: int = 0  # requests aborted before they finished (client gone, shutdown, failed step)
+    cache_stats: tuple[tuple[str, int], ...] = ()  # the block manager's prefix-cache counters
 
 
 class _Mailbox:
@@ -93,6 +94,10 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._dead: str | None = None  # why the engine stopped
         self._closing = False
+        # Commands are queued under this lock, and the exiting thread sets _exiting under it before
+        # answering what is left: so nothing is queued that no one will ever answer.
+        self._lock = threading.Lock()
+        self._exiting = False
         self._active: set[str] = set()  # request ids with a live caller (event loop side)
         self._ids = itertools.count()
         self._num_step_errors = 0
@@ -164,12 +169,12 @@ class AsyncLLMEngine:
             self.start()
         box = _Mailbox()
         index = {rid: i for i, rid in enumerate(request_ids)}
+        self._submit(("add", list(zip(request_ids, prompts, params)), box))
         unfinished = set(request_ids)
         self._active.update(request_ids)
-        self._commands.put(("add", list(zip(request_ids, prompts, params)), box))
         try:
             while unfinished:
-                await self._wait(box)
+                await box.event.wait()
                 box.event.clear()
                 if box.error is not None:
                     unfinished.clear()  # the engine thread has already dropped them
@@ -201,11 +206,17 @@ class AsyncLLMEngine:
     def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
         """Run `fn(engine)` on the engine thread between steps (from any thread); the future holds its result."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if self._thread is None or not self._thread.is_alive():
-            future.set_exception(EngineDeadError(self._dead or "the engine thread is not running"))
-        else:
-            self._commands.put(("call", fn, future))
+        try:
+            self._submit(("call", fn, future))
+        except EngineDeadError as e:
+            future.set_exception(e)
         return future
+
+    def _submit(self, command: tuple) -> None:
+        with self._lock:
+            if self._thread is None or self._exiting:
+                raise EngineDeadError(self._dead or "the engine thread is not running")
+            self._commands.put(command)
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
@@ -220,15 +231,6 @@ class AsyncLLMEngine:
         older = [s for s in samples if now - s[0] > window]
         base = older[-1][1] if older else recent[0][1]
         return (recent[-1][1] - base) / max(1e-3, min(window, now - self._started_at))
-
-    async def _wait(self, box: _Mailbox) -> None:
-        # A dead thread delivers nothing: look at it now and then rather than wait forever.
-        while True:
-            try:
-                return await asyncio.wait_for(box.event.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if self._thread is None or not self._thread.is_alive():
-                    raise EngineDeadError(self._dead or "the engine thread stopped") from None
 
     def _check_accepting(self) -> None:
         if self._dead is not None:
@@ -257,6 +259,8 @@ class AsyncLLMEngine:
 
     def _refuse_pending(self) -> None:
         """Answer whatever is still queued once the thread is about to exit."""
+        with self._lock:
+            self._exiting = True
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -365,7 +369,7 @@ class AsyncLLMEngine:
         engine = self.engine
         scheduler, bm = engine.scheduler, engine.block_manager
         (free, free_swap), (total, total_swap) = engine.num_free_blocks(), engine.num_total_blocks()
-        cross = sum(len(t) for t in bm.cross_block_tables.values())
+        cross = len({b for table in bm.cross_block_tables.values() for b in table})  # shared when cached
         used = (total - free) + (total_swap - free_swap)
         generated = engine.stats.get("generated_tokens", 0)
         now = time.monotonic()
@@ -374,6 +378,7 @@ class AsyncLLMEngine:
             num_swapped=len(scheduler.swapped), self_blocks=used - cross, cross_blocks=cross,
             free_blocks=free, total_blocks=total, free_swap_blocks=free_swap, total_swap_blocks=total_swap,
             generated_tokens=generated, num_step_errors=self._num_step_errors, num_aborted=self._num_aborted,
+            cache_stats=tuple(getattr(bm, "cache_stats", {}).items()),
         )
         self._token_samples.append((now, generated))
         self._last_snapshot = now

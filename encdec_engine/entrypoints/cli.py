@@ -117,7 +117,7 @@ def cmd_serve(args) -> int:
     engine = dict(dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   kv_cache_space_gb=args.kv_cache_space_gb, swap_space_gb=args.swap_space_gb,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                  seed=args.seed)
+                  seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
     run_server(model, host=args.host, port=args.port, limits=limits, served_model_name=args.served_model_name,
                shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, **engine)
     return 0
@@ -131,6 +131,7 @@ def _add_serve_parser(sub) -> None:
     sv.add_argument("--max-num-batched-tokens", type=int, default=None)
     sv.add_argument("--max-model-len", type=int, default=None, help="decoder positions")
     sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--no-prefix-caching", action="store_true", help="recompute every encoder output and prefix")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")

@@ -7,12 +7,16 @@ does not validate gets a 400 naming the field, never a 500.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from encdec_engine.outputs import RequestOutput, Transcription
 from encdec_engine.sampling_params import SamplingParams
+from encdec_engine.transcription import FRAMES_PER_SECOND
 
 MAX_PROMPTS = 256  # prompts in one completion request
 MAX_N = 16  # completions per prompt
@@ -28,6 +32,19 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic's errors -> one message naming each bad field, and the first field's name."""
+    parts, param = [], None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if err.get("type") == "json_invalid":
+            msg, loc = f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})", []
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+        param = param or (loc[0] if loc else None)
+    return "; ".join(parts) or "invalid request", param
 
 
 # -- completions ------------------------------------------------------------
@@ -177,6 +194,26 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+def usage_of(outputs: list[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) + len(o.encoder_prompt_token_ids or []) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], decode: Callable[[int], str],
+                        text_offset: int = 0) -> CompletionLogprobs:
+    """The engine's per-token {token_id: logprob} (sampled token + top-k) in OpenAI's layout."""
+    lp = CompletionLogprobs()
+    for token, top in zip(token_ids, logprobs):
+        piece = decode(token)
+        lp.tokens.append(piece)
+        lp.token_logprobs.append(top.get(token, -math.inf))
+        lp.top_logprobs.append({decode(t): v for t, v in top.items()})
+        lp.text_offset.append(text_offset)
+        text_offset += len(piece)
+    return lp
+
+
 # -- audio ------------------------------------------------------------------
 AudioResponseFormat = Literal["json", "text", "srt", "vtt", "verbose_json"]
 
@@ -244,6 +281,28 @@ class TranscriptionVerboseResponse(BaseModel):
     text: str
     segments: list[TranscriptionSegment]
     usage: AudioUsage | None = None
+
+
+def audio_usage(t: Transcription) -> AudioUsage:
+    return AudioUsage(seconds=math.ceil(t.duration))
+
+
+def language_name(code: str | None) -> str:
+    """"en" -> "english", as OpenAI names languages."""
+    try:
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES
+    except ImportError:
+        return code or "english"
+    return LANGUAGES.get(code or "en", code or "english")
+
+
+def verbose_transcription(t: Transcription, task: str) -> TranscriptionVerboseResponse:
+    segments = [TranscriptionSegment(id=s.id, seek=round(s.start * FRAMES_PER_SECOND), start=s.start, end=s.end,
+                                     text=s.text, tokens=s.tokens, temperature=s.temperature,
+                                     avg_logprob=s.avg_logprob, compression_ratio=s.compression_ratio,
+                                     no_speech_prob=s.no_speech_prob) for s in t.segments]
+    return TranscriptionVerboseResponse(task=task, language=language_name(t.language), duration=t.duration,
+                                        text=t.text.strip(), segments=segments, usage=audio_usage(t))
 
 
 class TranscriptDelta(BaseModel):

@@ -1,0 +1,457 @@
+"""The OpenAI-compatible server end to end: real uvicorn servers on loopback ports, driven by the
+official `openai` client and by raw HTTP; after every test each server still answers and holds
+no KV block (checked on the engine thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from encdec_engine import SamplingParams
+from encdec_engine.config import EngineConfig
+from encdec_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
+from encdec_engine.engine.llm_engine import LLMEngine
+from encdec_engine.entrypoints.cli import build_parser
+from encdec_engine.entrypoints.server import ServerLimits, build_app
+from encdec_engine.entrypoints.writers import render
+from encdec_engine.models.ct2_import import default_model_path
+from encdec_engine.transcription import Transcriber, TranscribeOptions
+
+AUDIO = Path(__file__).resolve().parent.parent / "prompts" / "audio"
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GREEDY = dict(temperature=0.0, max_tokens=8)
+
+
+class LiveServer:
+    """A uvicorn server in a background thread on a free loopback port."""
+
+    def __init__(self, app, shutdown_timeout: float = 5.0) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.app, self.state = app, app.state.server
+        self.engine: AsyncLLMEngine = self.state.engine
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        kwargs.setdefault("api_key", KEY)
+        return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=60, **kwargs)
+
+    def http(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kwargs)
+
+    def on_engine(self, fn):
+        """Run fn(LLMEngine) on the engine thread (the only thread allowed to touch it)."""
+        return self.engine.call(fn).result(timeout=60)
+
+    def assert_clean(self, timeout: float = 10.0) -> None:
+        """Eventually: nothing in flight, every KV block free, no queue slot held; and still serving."""
+        deadline = time.monotonic() + timeout
+        while True:
+            busy, free, total = self.on_engine(
+                lambda e: (e.has_unfinished_requests(), e.num_free_blocks(), e.num_total_blocks()))
+            if not busy and free == total and self.state.admission.waiting == 0:
+                break
+            assert time.monotonic() < deadline, f"leak: busy={busy} free={free} total={total}"
+            time.sleep(0.05)
+        assert httpx.get(f"{self.url}/health", timeout=10).status_code == 200
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+_LIVE: list[LiveServer] = []
+
+
+@pytest.fixture(scope="module")
+def bart_server(bart_path):
+    app = build_app(str(bart_path), limits=ServerLimits(api_key=KEY, max_queue=2), served_model_name="bart",
+                    num_kv_blocks=256)
+    server = LiveServer(app)
+    _LIVE.append(server)
+    yield server
+    _LIVE.remove(server)
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def whisper_server():
+    limits = ServerLimits(max_upload_mb=2.0, max_audio_seconds=60.0)
+    server = LiveServer(build_app(str(default_model_path()), limits=limits, kv_cache_space_gb=0.25))
+    _LIVE.append(server)
+    yield server
+    _LIVE.remove(server)
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def servers_clean():
+    yield
+    for server in _LIVE:
+        server.assert_clean()
+
+
+def pause_after_first_output(server: LiveServer) -> threading.Event:
+    """Hold the engine thread between two steps, from the step after the first one that produces text,
+    until the returned event is set: a request is then certainly still running."""
+    release = threading.Event()
+
+    def install(engine) -> None:  # runs on the engine thread
+        produced = []
+
+        def step():
+            if produced:
+                del engine.step
+                release.wait(30)
+            outputs = type(engine).step(engine)
+            produced.extend(o for o in outputs if o.outputs and o.outputs[0].text.strip())
+            return outputs
+
+        engine.step = step
+
+    server.on_engine(install)
+    return release
+
+
+def wait_until_gone(server: LiveServer, endpoint: str, before: int) -> None:
+    """Until the server has finished answering a client that left (its abort is queued by then)."""
+    deadline = time.monotonic() + 10
+    while server.state.metrics.requests[(endpoint, 499)] == before:
+        assert time.monotonic() < deadline, "the server did not notice the client leaving"
+        time.sleep(0.02)
+
+
+def reference_transcript(server: LiveServer, name: str, **options):
+    """The offline transcript, computed on the server's own engine thread while nothing else runs."""
+    opts = TranscribeOptions(language="en", **options)
+    return server.on_engine(lambda e: Transcriber(e, opts).run([AUDIO / name])[0])
+
+
+# -- discovery ------------------------------------------------------------------
+def test_models_health_and_metrics(bart_server, whisper_server):
+    assert [m.id for m in bart_server.client().models.list()] == ["bart"]
+    assert [m.id for m in whisper_server.client().models.list()] == ["whisper-tiny.en"]
+    for server in (bart_server, whisper_server):
+        assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+        text = httpx.get(f"{server.url}/metrics").text  # no key needed for health and metrics
+        for name in ("encdec_requests_waiting", "encdec_requests_running", "encdec_requests_swapped",
+                     'encdec_kv_blocks_used{kind="self"}', 'encdec_kv_blocks_used{kind="cross"}',
+                     "encdec_generated_tokens_total", "encdec_generation_tokens_per_second",
+                     "encdec_request_latency_seconds_bucket"):
+            assert name in text
+
+
+# -- transcription ------------------------------------------------------------------
+def test_transcription_every_response_format(whisper_server):
+    client = whisper_server.client()
+
+    def transcribe(fmt: str):
+        extra = {"timestamp_granularities": ["segment"]} if fmt == "verbose_json" else {}
+        with open(AUDIO / "fox.wav", "rb") as f:
+            return client.audio.transcriptions.create(model="whisper-1", file=f, response_format=fmt, **extra)
+
+    with ThreadPoolExecutor(5) as pool:  # concurrently: the windows share the engine's batches
+        formats = ["json", "text", "srt", "vtt", "verbose_json"]
+        got = dict(zip(formats, pool.map(transcribe, formats)))
+    ref = reference_transcript(whisper_server, "fox.wav")
+    assert "quick brown fox" in ref.text
+    assert got["json"].text == ref.text.strip()
+    assert got["text"] == ref.text.strip() + "\n"
+    assert got["srt"] == render(ref, "srt") and got["srt"].startswith("1\n00:00:00,000 --> ")
+    assert got["vtt"] == render(ref, "vtt") and got["vtt"].startswith("WEBVTT\n\n")
+    verbose = got["verbose_json"]
+    assert verbose.language == "english" and verbose.duration == pytest.approx(3.72, abs=0.01)
+    assert [(s.start, s.end, s.text) for s in verbose.segments] == [(s.start, s.end, s.text) for s in ref.segments]
+
+
+def test_transcription_stream(whisper_server):
+    with open(AUDIO / "weather.wav", "rb") as f:
+        events = list(whisper_server.client().audio.transcriptions.create(model="whisper-1", file=f, stream=True))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    assert [e.type for e in events[len(deltas):]] == ["transcript.text.done"]
+    assert len(deltas) > 3  # token by token, not one piece at the end
+    done = events[-1]
+    ref = reference_transcript(whisper_server, "weather.wav", timestamps=False, temperatures=(0.0,))
+    assert "".join(deltas) == done.text == ref.text.strip()
+    assert done.usage.output_tokens > 0 and done.usage.input_tokens > done.usage.output_tokens
+
+
+def test_translation_needs_multilingual_model(whisper_server):
+    with open(AUDIO / "fox.wav", "rb") as f, pytest.raises(openai.BadRequestError, match="English-only"):
+        whisper_server.client().audio.translations.create(model="whisper-1", file=f)
+
+
+# -- completions --------------------------------------------------------------------
+def test_completions_match_offline_generate(bart_server, bart_path, make_llm):
+    llm, client = make_llm(bart_path), bart_server.client()
+    prompts = ["The rain in Spain falls mainly on the plain.", [0, 133, 157, 2],
+               {"encoder_prompt": "The city council met on Monday.", "decoder_prompt": "The river"}]
+    offline = [prompts[0], {"prompt_token_ids": prompts[1]}, prompts[2]]  # the engine's spelling of token ids
+    refs = llm.generate(offline, SamplingParams(**GREEDY), use_tqdm=False)
+    for prompt, ref in zip(prompts, refs):
+        got = client.completions.create(model="bart", prompt=prompt, **GREEDY)
+        assert got.choices[0].text == ref.outputs[0].text
+        assert got.choices[0].finish_reason == ref.outputs[0].finish_reason
+        assert got.usage.completion_tokens == len(ref.outputs[0].token_ids)
+        assert got.usage.prompt_tokens == len(ref.prompt_token_ids) + len(ref.encoder_prompt_token_ids)
+    both = client.completions.create(model="bart", prompt=[prompts[0], "A second document."], **GREEDY)
+    assert [c.index for c in both.choices] == [0, 1] and both.choices[0].text == refs[0].outputs[0].text
+    sampled = [client.completions.create(model="bart", prompt=prompts[0], n=2, seed=7, temperature=1.0,
+                                         max_tokens=6, logprobs=2) for _ in range(2)]
+    assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]  # seeded
+    assert [c.index for c in sampled[0].choices] == [0, 1]
+    lp = sampled[0].choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 6 and all(t for t in lp.top_logprobs)
+
+
+def test_completion_stream(bart_server):
+    client = bart_server.client()
+    prompt = "Finish me."
+    full = client.completions.create(model="bart", prompt=prompt, temperature=0.0, max_tokens=16).choices[0].text
+    chunks = list(client.completions.create(model="bart", prompt=prompt, temperature=0.0, max_tokens=16,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    # A stop string is never streamed, even in part.
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    expected = full[: full.find(stop)]
+    assert client.completions.create(model="bart", prompt=prompt, temperature=0.0, max_tokens=16,
+                                     stop=stop).choices[0].text == expected
+    streamed = client.completions.create(model="bart", prompt=prompt, temperature=0.0, max_tokens=16, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+# -- errors ---------------------------------------------------------------------
+def _multipart(**fields) -> dict:
+    return {"files": {"file": ("clip.wav", fields.pop("file", (AUDIO / "fox.wav").read_bytes()))}, "data": fields}
+
+
+BAD_AUDIO = [
+    ({"json": {"model": "whisper-1"}}, 400, "multipart/form-data"),
+    ({"content": b"--xx\r\nnot multipart", "headers": {"content-type": "multipart/form-data"}}, 400, "boundary"),
+    ({"data": {"model": "whisper-1"}, "files": {"other": ("a.wav", b"x")}}, 400, "'other' must be text"),
+    ({"data": {"model": "whisper-1"}}, 400, "multipart/form-data"),
+    (_multipart(temperature="hot"), 400, "temperature"),
+    (_multipart(response_format="mp3"), 400, "response_format"),
+    (_multipart(**{"timestamp_granularities[]": "word"}), 400, "word timestamps"),
+    (_multipart(stream="true", response_format="srt"), 400, "json or text"),
+    (_multipart(language="fr"), 400, "English-only"),
+    (_multipart(model="gpt-4o"), 404, "not served here"),
+    (_multipart(file=b"RIFF garbage, not audio" * 50), 400, "cannot decode"),
+    (_multipart(file=b""), 400, "empty"),
+    (_multipart(file=b"\0" * (3 << 20)), 413, "limit of 2 MB"),
+    (_multipart(file=(AUDIO / "long_meeting.flac").read_bytes()), 413, "at most 60 s"),
+]
+
+BAD_COMPLETIONS = [
+    ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "not valid JSON"),
+    ({"json": {"model": "bart"}}, 400, "prompt: Field required"),
+    ({"json": {"prompt": "x", "max_tokens": "ten"}}, 400, "max_tokens"),
+    ({"json": {"prompt": "x", "temperature": -1}}, 400, "temperature"),
+    ({"json": {"prompt": "x", "n": 0}}, 400, "n:"),
+    ({"json": {"prompt": "x", "echo": True}}, 400, "echo"),
+    ({"json": {"prompt": "x", "colour": "red"}}, 400, "colour"),
+    ({"json": {"prompt": ""}}, 400, "empty"),
+    ({"json": {"prompt": [1.5, 2]}}, 400, "prompt"),
+    ({"json": {"prompt": {"encoder_prompt": "x", "extra": 1}}}, 400, "unknown keys"),
+    ({"json": {"prompt": [0, 99999, 2]}}, 400, "outside the vocabulary"),
+    ({"json": {"prompt": ["fine", [0, 99999]]}}, 400, "prompt 1"),
+    ({"json": {"prompt": "word " * 400}}, 400, "limit"),
+    ({"json": {"prompt": "x", "model": "gpt-4o"}}, 404, "not served here"),
+    ({"json": {"prompt": ["a", "b", "c"]}}, 400, "exceed this server's queue"),
+]
+
+
+@pytest.mark.parametrize("kwargs,status,message", BAD_AUDIO)
+def test_bad_audio_requests_get_clean_errors(whisper_server, kwargs, status, message):
+    with whisper_server.http() as http:
+        r = http.post("/v1/audio/transcriptions", **kwargs)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("kwargs,status,message", BAD_COMPLETIONS)
+def test_bad_completion_requests_get_clean_errors(bart_server, kwargs, status, message):
+    kwargs = {**kwargs, "headers": {**AUTH, **kwargs.get("headers", {})}}
+    with bart_server.http() as http:
+        r = http.post("/v1/completions", **kwargs)
+        assert r.status_code == status, r.text
+        assert message in r.json()["error"]["message"]
+        assert http.post("/v1/completions", json={"prompt": "Still serving.", "max_tokens": 2},
+                         headers=AUTH).status_code == 200
+
+
+def test_wrong_model_kind_and_unknown_paths(bart_server, whisper_server):
+    with pytest.raises(openai.NotFoundError, match="needs a text model"):
+        whisper_server.client().completions.create(model="whisper-1", prompt="hello")
+    with open(AUDIO / "fox.wav", "rb") as f, pytest.raises(openai.NotFoundError, match="needs a speech model"):
+        bart_server.client().audio.transcriptions.create(model="bart", file=f)
+    assert httpx.get(f"{bart_server.url}/v1/nothing", headers=AUTH).status_code == 404
+
+
+def test_api_key(bart_server):
+    with bart_server.http() as http:
+        missing = http.post("/v1/completions", json={"prompt": "x"})
+        wrong = http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"})
+        assert http.get("/health").status_code == 200
+    assert missing.status_code == wrong.status_code == 401
+    assert "missing API key" in missing.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        bart_server.client(api_key="nope").completions.create(model="bart", prompt="x")
+
+
+# -- load and lifecycle -----------------------------------------------------------
+def test_full_queue_answers_429(bart_server):
+    release = threading.Event()
+    blocker = bart_server.engine.call(lambda e: release.wait(30))  # the engine thread stops stepping
+    with ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(httpx.post, f"{bart_server.url}/v1/completions", headers=AUTH, timeout=60,
+                               json={"prompt": f"Document {i}.", "max_tokens": 4}) for i in range(2)]
+        deadline = time.monotonic() + 10
+        while bart_server.state.admission.waiting < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        full = httpx.post(f"{bart_server.url}/v1/completions", headers=AUTH, json={"prompt": "One more."})
+        release.set()
+        assert [f.result().status_code for f in waiting] == [200, 200]
+    blocker.result(10)
+    assert full.status_code == 429 and "server busy" in full.json()["error"]["message"]
+    assert full.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("kind", ["completion", "transcription"])
+def test_client_disconnect_mid_stream_aborts(bart_server, whisper_server, kind):
+    server = bart_server if kind == "completion" else whisper_server
+    endpoint = "/v1/completions" if kind == "completion" else "/v1/audio/transcriptions"
+    before, gone = server.engine.num_aborted, server.state.metrics.requests[(endpoint, 499)]
+    release = pause_after_first_output(server)
+    if kind == "completion":
+        request = dict(headers=AUTH, json={"prompt": "A long story.", "max_tokens": 200, "ignore_eos": True,
+                                           "stream": True})
+    else:
+        request = _multipart(stream="true")
+    with server.http() as http, http.stream("POST", endpoint, **request) as r:
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("data: ")
+    # The client is gone while its request holds self and cross blocks in the paused engine.
+    wait_until_gone(server, endpoint, gone)
+    release.set()
+    server.assert_clean()
+    assert server.engine.num_aborted == before + 1
+
+
+def test_client_disconnect_before_the_answer_aborts(bart_server):
+    before, gone = bart_server.engine.num_aborted, bart_server.state.metrics.requests[("/v1/completions", 499)]
+    release = threading.Event()
+    blocker = bart_server.engine.call(lambda e: release.wait(30))  # the request waits unanswered
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{bart_server.url}/v1/completions", headers=AUTH, timeout=0.5,
+                   json={"prompt": "Never read.", "max_tokens": 200, "ignore_eos": True})
+    wait_until_gone(bart_server, "/v1/completions", gone)
+    release.set()
+    blocker.result(10)
+    bart_server.assert_clean()
+    assert bart_server.engine.num_aborted == before + 1
+
+
+def test_async_engine_failures_stay_with_their_callers(bart_path):
+    engine = LLMEngine(EngineConfig(model=str(bart_path), num_kv_blocks=64))
+
+    async def main():
+        async_engine = AsyncLLMEngine(engine)
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+
+        async def run(prompt, rid):
+            return [out async for out in async_engine.generate(prompt, params, rid)][-1]
+
+        good, bad = await asyncio.gather(run("A fine document.", "good"),
+                                         run({"prompt_token_ids": [0, 10 ** 6]}, "bad"), return_exceptions=True)
+        assert good.finished and isinstance(bad, ValueError) and "vocabulary" in str(bad)
+        calls = []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("simulated kernel failure")
+            return LLMEngine.step(engine)
+
+        await async_engine.run_in_engine(lambda e: setattr(e, "step", failing_step))
+        with pytest.raises(EngineStepError, match="simulated kernel failure"):
+            await run("This one is in flight when the step fails.", "crashed")
+        assert (await run("The engine goes on.", "after")).finished  # state was consistent: not dead
+        await async_engine.run_in_engine(lambda e: delattr(e, "step"))
+        # Shutdown aborts what is still running and refuses new work.
+        stream = async_engine.generate("Long.", SamplingParams(max_tokens=200, ignore_eos=True), "long")
+        await anext(stream)
+        await async_engine.shutdown(timeout=0.0)
+        with pytest.raises(EngineDeadError):
+            await anext(stream)
+        with pytest.raises(EngineDeadError):
+            await run("Too late.", "late")
+        assert async_engine.snapshot.num_step_errors == 1
+
+    asyncio.run(main())
+    assert not engine.has_unfinished_requests() and engine.num_free_blocks() == engine.num_total_blocks()
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(bart_path):
+    server = LiveServer(build_app(str(bart_path), num_kv_blocks=64), shutdown_timeout=10)
+    release = pause_after_first_output(server)
+    body = {"prompt": "Finish me.", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    lines = []
+    with httpx.Client(timeout=30) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not lines:  # shut down while the request is in flight: new connections are refused...
+                server.server.should_exit = True
+                deadline = time.monotonic() + 10
+                while _accepts_connections(server.url):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                release.set()  # ...and the request in flight still finishes
+            lines.append(line)
+    server.thread.join(30)
+    assert not server.thread.is_alive()
+    events = [line for line in lines if line]
+    assert events[-1] == "data: [DONE]"
+    finished = json.loads(events[-2].removeprefix("data: "))
+    assert finished["choices"][0]["finish_reason"] == "length"
+    engine = server.engine.engine  # the engine thread has stopped: safe to look directly
+    assert not engine.has_unfinished_requests() and engine.num_free_blocks() == engine.num_total_blocks()
+
+
+def _accepts_connections(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_serve_command_defaults():
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.api_key, args.model) == ("127.0.0.1", 8000, None, None)
+    args = build_parser().parse_args(["serve", "--port", "0", "--max-queue", "4", "--api-key", "k"])
+    assert (args.port, args.max_queue, args.api_key) == (0, 4, "k")
