@@ -16,8 +16,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda[:N]
     block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # KV pool size in blocks; default from kv_cache_space_gb
-    kv_cache_space_gb: float = 2.0  # KV pool size when num_kv_blocks is not given
+    num_kv_blocks: int | None = None  # KV pool size in blocks; default: kv_cache_space_gb, or profiled on CUDA
+    kv_cache_space_gb: float | None = None  # KV pool size in GiB; default 2 on CPU, profiled on CUDA
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device for weights + activations + KV pool
     swap_space_gb: float = 0.0  # CPU swap pool for preempted requests (0: recompute instead)
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int | None = None  # prefill tokens (decoder + encoder) in one step
@@ -38,8 +39,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.kv_cache_space_gb <= 0:
+        if self.kv_cache_space_gb is not None and self.kv_cache_space_gb <= 0:
             raise ValueError(f"kv_cache_space_gb must be positive, got {self.kv_cache_space_gb}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb must be non-negative, got {self.swap_space_gb}")
         if self.max_num_seqs < 1:

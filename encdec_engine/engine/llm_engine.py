@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
@@ -19,8 +20,10 @@ from encdec_engine.inputs.prompts import PromptType
 from encdec_engine.outputs import CompletionOutput, RequestOutput
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
+from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool
 from encdec_engine.worker.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
 _GiB = 1 << 30
 
 
@@ -37,10 +40,18 @@ class LLMEngine:
 
         spec, bs = self.model.kv_cache_spec, config.block_size
         per_block = bytes_per_block(spec, bs, self.dtype)
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_space_gb * _GiB // per_block))
+        budget = config.max_num_batched_tokens or max(16384, loaded.max_encoder_len + self.max_decoder_len)
+        self.kv_pool = size_kv_pool(
+            spec, bs, self.dtype, self.device, num_kv_blocks=config.num_kv_blocks,
+            kv_cache_space_gb=config.kv_cache_space_gb, gpu_memory_utilization=config.gpu_memory_utilization,
+            run_profile_forward=lambda: profile_forward(self.model, loaded.backend, bs, self.device, budget,
+                                                        config.max_num_seqs, self.max_decoder_len),
+            cross_positions=(self.model.encoder_num_positions(loaded.max_encoder_len)
+                             if self.model.is_encoder_decoder else None))
+        logger.info("%s", self.kv_pool.describe())
+        num_blocks = self.kv_pool.num_blocks
         num_swap = int(config.swap_space_gb * _GiB // per_block)
         self.block_manager = BlockManager(bs, num_blocks, num_swap, enable_caching=config.enable_prefix_caching)
-        budget = config.max_num_batched_tokens or max(16384, loaded.max_encoder_len + self.max_decoder_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget), self.block_manager)
         self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.dtype, self.device)
         self.runner = ModelRunner(self.model, loaded.backend, self.cache_engine, bs, self.device,

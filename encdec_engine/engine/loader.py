@@ -55,8 +55,10 @@ def make_backend(config: EngineConfig, device: torch.device):
         try:
             from encdec_engine.attention.backends.xformers_backend import XFormersBackend
 
-            return XFormersBackend(config.block_size)
-        except ImportError as e:
+            backend = XFormersBackend(config.block_size)
+            logger.info("attention backend: xformers (flash prefill, Triton paged decode and KV store)")
+            return backend
+        except ImportError as e:  # also BackendUnavailableError: no CUDA device, no xformers/triton
             if name == "xformers":
                 raise ValueError(f"attention_backend='xformers' is unavailable: {e}") from e
             logger.warning("xformers backend unavailable (%s); using the torch backend", e)

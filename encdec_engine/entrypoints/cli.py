@@ -15,14 +15,18 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> Non
     p.add_argument("--device", default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-space-gb", type=float, default=2.0)
+    p.add_argument("--kv-cache-space-gb", type=float, default=None,
+                   help="KV pool size (default: 2 GiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: share of the device for weights, activations and the KV pool")
 
 
 def _llm(args):
     from encdec_engine import LLM
 
     return LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, kv_cache_space_gb=args.kv_cache_space_gb)
+               max_num_seqs=args.max_num_seqs, kv_cache_space_gb=args.kv_cache_space_gb,
+               gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def cmd_transcribe(args) -> int:
@@ -38,7 +42,8 @@ def cmd_transcribe(args) -> int:
 
         args.model = str(import_ct2_whisper(args.model, Path(args.model) / ".encdec-hf"))
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-              max_num_seqs=args.max_num_seqs, kv_cache_space_gb=args.kv_cache_space_gb)
+              max_num_seqs=args.max_num_seqs, kv_cache_space_gb=args.kv_cache_space_gb,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt}
     if args.temperature is not None:
         options["temperatures"] = (args.temperature,)
@@ -116,6 +121,7 @@ def cmd_serve(args) -> int:
                           max_audio_seconds=args.max_audio_seconds)
     engine = dict(dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   kv_cache_space_gb=args.kv_cache_space_gb, swap_space_gb=args.swap_space_gb,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
     run_server(model, host=args.host, port=args.port, limits=limits, served_model_name=args.served_model_name,
