@@ -135,3 +135,14 @@ def test_long_contexts_read_in_place_when_contiguous(contiguous):
     for i in range(3):
         ref = naive(q[i : i + 1], ks[i], vs[i], torch.zeros(1, k_lens[i]), 2)
         torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_uniform_segments_take_the_reshape_path(causal):
+    torch.manual_seed(4)
+    lens = [6, 6, 6]
+    v_ = view(lens, lens, causal, key_start_loc=[0, 6, 12])
+    q, k, v = torch.randn(18, H, D), torch.randn(18, H, D), torch.randn(18, H, D)
+    out = TorchSDPABackend(BS).forward(q, k, v, None, v_, SCALE)
+    mask = prefill_attn_bias(v_).materialize((18, 18))
+    torch.testing.assert_close(out, naive(q, k, v, mask, H), rtol=1e-5, atol=1e-5)
