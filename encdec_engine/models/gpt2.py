@@ -21,7 +21,7 @@ from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.layer import Attention
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.layers.activation import get_activation
-from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
+from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec
 from encdec_engine.models.weights import WeightLoader
 
 # HF Conv1D weights ([in, out]) that become nn.Linear weights ([out, in]).
@@ -88,9 +88,7 @@ class GPT2Block(nn.Module):
         return hidden + self.mlp(self.ln_2(hidden))
 
 
-class GPT2LMHeadModel(nn.Module):
-    is_encoder_decoder = False
-    max_encoder_len = 0
+class GPT2LMHeadModel(DecoderOnlyModel, nn.Module):
 
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
@@ -112,12 +110,6 @@ class GPT2LMHeadModel(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         heads = self.config.num_attention_heads
         return KVCacheSpec(self.config.num_hidden_layers, heads, self.config.hidden_size // heads)
-
-    def encoder_num_positions(self, num_tokens: int) -> int:
-        raise ValueError("GPT-2 is decoder-only: it has no encoder")
-
-    def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
-        raise ValueError("GPT-2 is decoder-only: it has no encoder")
 
     def forward(
         self,

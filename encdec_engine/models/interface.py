@@ -50,3 +50,16 @@ class Model(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+class DecoderOnlyModel:
+    """Base for decoder-only models: the degenerate case with no encoder and no cross cache."""
+
+    is_encoder_decoder = False
+    max_encoder_len = 0
+
+    def encoder_num_positions(self, num_inputs: int) -> int:
+        raise ValueError(f"{type(self).__name__} is decoder-only: it has no encoder")
+
+    def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
+        raise ValueError(f"{type(self).__name__} is decoder-only: it has no encoder")

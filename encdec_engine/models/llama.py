@@ -24,7 +24,7 @@ from encdec_engine.attention.layer import Attention
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.layers.activation import get_activation
 from encdec_engine.layers.rotary import RotaryEmbedding, apply_rotary, default_inv_freq
-from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
+from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec
 from encdec_engine.models.weights import WeightLoader
 
 # RoPE types whose frequencies are fixed at load; "dynamic" and "longrope" rescale with the length.
@@ -117,9 +117,7 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class LlamaForCausalLM(nn.Module):
-    is_encoder_decoder = False
-    max_encoder_len = 0
+class LlamaForCausalLM(DecoderOnlyModel, nn.Module):
 
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
@@ -141,12 +139,6 @@ class LlamaForCausalLM(nn.Module):
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(self.config.num_hidden_layers, self.layers[0].self_attn.num_kv_heads, self.head_dim)
-
-    def encoder_num_positions(self, num_tokens: int) -> int:
-        raise ValueError("Llama is decoder-only: it has no encoder")
-
-    def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
-        raise ValueError("Llama is decoder-only: it has no encoder")
 
     def forward(
         self,
