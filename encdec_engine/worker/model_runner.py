@@ -37,7 +37,7 @@ class ModelInput:
     encoder_inputs: EncoderInputs | None = None
 
 
-StepResult = "list[SampleResult] | torch.Tensor"
+StepResult = list[SampleResult] | torch.Tensor  # samples, or beam-search log-probs [vocab]
 
 
 @dataclass
