@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from encdec_engine.inputs.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, AudioError, load_audio, to_mono_16k
+from encdec_engine.inputs.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
 from encdec_engine.inputs.audio_features import log_mel_spectrogram
 from encdec_engine.layers.whisper_timestamps import timestamp_rules_from_generation_config
 from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens
@@ -143,15 +143,8 @@ class Transcriber:
         source = str(item) if isinstance(item, (str, Path)) else None
         job = TranscriptionJob(index, source, language=self.options.language)
         try:
-            if isinstance(item, (tuple, list)) and len(item) == 2:
-                job.samples = to_mono_16k(item[0], item[1])
-            elif isinstance(item, np.ndarray):
-                job.samples = to_mono_16k(item, SAMPLE_RATE)
-            else:
-                job.samples = load_audio(item)
-            if len(job.samples) == 0:
-                raise AudioError(f"{source or 'audio'}: no samples")
-        except (AudioError, ValueError) as e:
+            job.samples = audio_samples(item)
+        except ValueError as e:  # AudioError included
             job.error = str(e)
         if job.error is None:
             job.mel = self._log_mel(job)

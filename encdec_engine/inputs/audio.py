@@ -123,6 +123,21 @@ def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE) -> np.ndarray:
     return _to_mono(data, rate, sr, channels_last=True)  # data: [num_samples, channels]
 
 
+def audio_samples(audio) -> np.ndarray:
+    """Any audio input as float32 mono 16 kHz ``[num_samples]``: a ``(samples, sample_rate)``
+    pair, an array already at 16 kHz, or a file path / binary file object.
+    Raises ``AudioError`` (a ValueError) naming the problem, including no samples."""
+    if isinstance(audio, (tuple, list)) and len(audio) == 2:
+        samples = to_mono_16k(audio[0], audio[1])
+    elif isinstance(audio, np.ndarray):
+        samples = to_mono_16k(audio, SAMPLE_RATE)
+    else:
+        return load_audio(audio)  # names the file in its errors, empty files included
+    if samples.size == 0:
+        raise AudioError("audio has no samples")
+    return samples
+
+
 def load_audio_bytes(data: bytes, name: str = "<bytes>") -> np.ndarray:
     """Decode in-memory file contents (e.g. an upload) to float32 mono 16 kHz ``[num_samples]``."""
     if not data:

@@ -88,7 +88,7 @@ class InputProcessor:
     def _audio_encoder_sequence(self, prompt: ParsedSingleton) -> EncoderSequence:
         import torch
 
-        from encdec_engine.inputs.audio import SAMPLE_RATE, N_FRAMES, N_SAMPLES, load_audio, to_mono_16k
+        from encdec_engine.inputs.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
         from encdec_engine.inputs.audio_features import log_mel_spectrogram
 
         mm = prompt.multi_modal_data or {}
@@ -102,13 +102,7 @@ class InputProcessor:
                 raise ValueError(f"input_features must have shape ({self.num_mel_bins}, {N_FRAMES}), "
                                  f"got {tuple(features.shape)}")
         elif "audio" in mm:
-            audio = mm["audio"]
-            if isinstance(audio, (tuple, list)) and len(audio) == 2:
-                samples = to_mono_16k(audio[0], audio[1])
-            else:
-                samples = load_audio(audio)  # a file path or file object
-            if len(samples) == 0:
-                raise ValueError("audio is empty")
+            samples = audio_samples(mm["audio"])
             if len(samples) > N_SAMPLES:
                 raise ValueError(f"audio is {len(samples) / SAMPLE_RATE:.1f} s long; one request holds at most "
                                  f"{N_SAMPLES // SAMPLE_RATE} s (use LLM.transcribe for long-form audio)")
