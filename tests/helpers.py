@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import torch
 
 WORDS = (
@@ -106,3 +107,10 @@ def mixed_prompts(tokenizer, n: int = 14, seed: int = 0) -> list:
             dec = [2, 0] + [rng.randrange(5, len(tokenizer) - 1) for _ in range(rng.randint(8, 18))]
             prompts.append({"encoder_prompt": {"prompt_token_ids": ids}, "decoder_prompt": {"prompt_token_ids": dec}})
     return prompts
+
+
+def make_view(q_lens, k_lens, causal: bool, **kw):
+    """An AttentionView over a flat batch with these query and key lengths."""
+    from encdec_engine.attention.metadata import AttentionView
+
+    return AttentionView.from_arrays(np.concatenate([[0], np.cumsum(q_lens)]), k_lens, causal, **kw)

@@ -3,26 +3,16 @@
 import numpy as np
 import pytest
 import torch
+from helpers import make_view
 
 from encdec_engine.attention.backends.base import store_kv
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.attention.backends.xformers_masks import prefill_attn_bias
-from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
+from encdec_engine.attention.metadata import AttentionMetadata
 from encdec_engine.worker.input_prep import pad_rows
 
 H, D, BS = 4, 8, 4
 SCALE = D**-0.5
-
-
-def view(q_lens, k_lens, causal, **kw) -> AttentionView:
-    q_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
-    k_start = kw.pop("key_start_loc", None)
-    return AttentionView(
-        query_start_loc=torch.from_numpy(q_loc), key_lens=torch.tensor(k_lens), causal=causal,
-        max_query_len=max(q_lens), max_key_len=max(k_lens), query_start_loc_list=q_loc.tolist(),
-        key_lens_list=list(k_lens), key_start_loc=None if k_start is None else torch.tensor(k_start),
-        key_start_loc_list=k_start, **kw,
-    )
 
 
 def naive(q, k, v, mask, num_kv_heads):
@@ -41,7 +31,7 @@ def test_fresh_prefill_matches_block_diagonal_mask(kind, num_kv_heads):
     k_lens = {"encoder": q_lens, "decoder": q_lens, "cross": [7, 2, 4, 6, 9]}[kind]
     causal = kind == "decoder"
     k_start = np.concatenate([[0], np.cumsum(k_lens)[:-1]]).tolist()
-    v_ = view(q_lens, k_lens, causal, key_start_loc=k_start)
+    v_ = make_view(q_lens, k_lens, causal, key_start_loc=k_start)
     q = torch.randn(sum(q_lens), H, D)
     k, v = torch.randn(sum(k_lens), num_kv_heads, D), torch.randn(sum(k_lens), num_kv_heads, D)
     out = TorchSDPABackend(BS).forward(q, k, v, None, v_, SCALE)
@@ -74,7 +64,7 @@ def test_paged_decode_matches_naive(causal, num_kv_heads):
     rng = np.random.default_rng(1)
     k_lens = [1, 9, 4, 17]
     cache, tables, ks, vs = paged(k_lens, num_kv_heads, rng)
-    v_ = view([1] * 4, k_lens, causal, block_tables=torch.from_numpy(pad_rows(tables)))
+    v_ = make_view([1] * 4, k_lens, causal, block_tables=torch.from_numpy(pad_rows(tables)))
     backend = TorchSDPABackend(BS)
     backend.plan(AttentionMetadata(decoder=v_))
     q = torch.randn(4, H, D)
@@ -89,7 +79,7 @@ def test_prefill_over_cached_prefix_is_bottom_right_causal():
     rng = np.random.default_rng(2)
     q_lens, k_lens = [2, 3, 1], [5, 3, 8]
     cache, tables, ks, vs = paged(k_lens, H, rng)
-    v_ = view(q_lens, k_lens, True, block_tables=torch.from_numpy(pad_rows(tables)))
+    v_ = make_view(q_lens, k_lens, True, block_tables=torch.from_numpy(pad_rows(tables)))
     q = torch.randn(sum(q_lens), H, D)
     out = TorchSDPABackend(BS).forward(q, None, None, cache, v_, SCALE)
     mask = prefill_attn_bias(v_).materialize((sum(q_lens), sum(k_lens)))
@@ -126,7 +116,7 @@ def test_long_contexts_read_in_place_when_contiguous(contiguous):
         store_kv(k, v, cache, torch.tensor(np.array(table)[pos // BS] * BS + pos % BS))
         ks.append(k)
         vs.append(v)
-    v_ = view([1, 1, 1], k_lens, False, block_tables=torch.from_numpy(pad_rows(tables)))
+    v_ = make_view([1, 1, 1], k_lens, False, block_tables=torch.from_numpy(pad_rows(tables)))
     backend = TorchSDPABackend(BS)
     backend.plan(AttentionMetadata(decoder=v_))
     assert isinstance(v_.plan, _SlicePlan if contiguous else _GatherPlan)
@@ -141,7 +131,7 @@ def test_long_contexts_read_in_place_when_contiguous(contiguous):
 def test_uniform_segments_take_the_reshape_path(causal):
     torch.manual_seed(4)
     lens = [6, 6, 6]
-    v_ = view(lens, lens, causal, key_start_loc=[0, 6, 12])
+    v_ = make_view(lens, lens, causal, key_start_loc=[0, 6, 12])
     q, k, v = torch.randn(18, H, D), torch.randn(18, H, D), torch.randn(18, H, D)
     out = TorchSDPABackend(BS).forward(q, k, v, None, v_, SCALE)
     mask = prefill_attn_bias(v_).materialize((18, 18))

@@ -34,9 +34,11 @@ pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from helpers import make_view  # noqa: E402
+
 from encdec_engine.attention.backends.base import store_kv  # noqa: E402
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
-from encdec_engine.attention.metadata import AttentionMetadata, AttentionView  # noqa: E402
+from encdec_engine.attention.metadata import AttentionMetadata  # noqa: E402
 from encdec_engine.attention.ops import kv_store, paged_attention  # noqa: E402
 from encdec_engine.worker.input_prep import pad_rows  # noqa: E402
 
@@ -59,17 +61,6 @@ def test_in_a_fresh_interpreter_process():
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert " passed" in summary and ", 1 skipped" in summary, summary  # only the fresh-process test skips
-
-
-def make_view(q_lens, k_lens, causal, **kw) -> AttentionView:
-    q_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
-    k_start = kw.pop("key_start_loc", None)
-    return AttentionView(
-        query_start_loc=torch.from_numpy(q_loc), key_lens=torch.tensor(k_lens), causal=causal,
-        max_query_len=max(q_lens), max_key_len=max(k_lens), query_start_loc_list=q_loc.tolist(),
-        key_lens_list=list(k_lens), key_start_loc=None if k_start is None else torch.tensor(k_start),
-        key_start_loc_list=k_start, **kw,
-    )
 
 
 def naive(q, k, v, scale, mask=None):

@@ -27,6 +27,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -59,6 +60,30 @@ class AttentionView:
     key_lens_list: list[int] | None = None
     key_start_loc_list: list[int] | None = None
     plan: Any = None  # backend-specific precomputation for this step (see AttentionBackend.plan)
+
+    @classmethod
+    def from_arrays(cls, query_start_loc, key_lens, causal: bool, device: torch.device | str = "cpu",
+                    key_start_loc=None, **tensors) -> AttentionView:
+        """Build a view from host arrays (numpy or lists): device tensors plus the host copies
+        the per-sequence loops use. `tensors` are slot_mapping and/or block_tables."""
+        query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
+        key_lens = np.asarray(key_lens, dtype=np.int64)
+
+        def to_device(array) -> torch.Tensor:
+            return torch.as_tensor(np.ascontiguousarray(array)).to(device, non_blocking=True)
+
+        return cls(
+            query_start_loc=to_device(query_start_loc),
+            key_lens=to_device(key_lens),
+            causal=causal,
+            max_query_len=int(np.diff(query_start_loc).max(initial=0)),
+            max_key_len=int(key_lens.max(initial=0)),
+            key_start_loc=None if key_start_loc is None else to_device(key_start_loc),
+            query_start_loc_list=query_start_loc.tolist(),
+            key_lens_list=key_lens.tolist(),
+            key_start_loc_list=None if key_start_loc is None else np.asarray(key_start_loc).tolist(),
+            **{k: None if v is None else to_device(v) for k, v in tensors.items()},
+        )
 
     @property
     def num_seqs(self) -> int:

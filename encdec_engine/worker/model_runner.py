@@ -65,20 +65,8 @@ class ModelRunner:
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
-    def _view(self, arrays_qsl: np.ndarray, key_lens: np.ndarray, causal: bool, **tensors) -> AttentionView:
-        key_start = tensors.pop("key_start_loc", None)
-        return AttentionView(
-            query_start_loc=self._tensor(arrays_qsl),
-            key_lens=self._tensor(key_lens),
-            causal=causal,
-            max_query_len=int(np.diff(arrays_qsl).max(initial=0)),
-            max_key_len=int(key_lens.max(initial=0)),
-            key_start_loc=None if key_start is None else self._tensor(key_start),
-            query_start_loc_list=arrays_qsl.tolist(),
-            key_lens_list=key_lens.tolist(),
-            key_start_loc_list=None if key_start is None else key_start.tolist(),
-            **{k: None if v is None else self._tensor(v) for k, v in tensors.items()},
-        )
+    def _view(self, query_start_loc: np.ndarray, key_lens: np.ndarray, causal: bool, **arrays) -> AttentionView:
+        return AttentionView.from_arrays(query_start_loc, key_lens, causal, self.device, **arrays)
 
     def _decoder_arrays(self, rows: list[StepRow], decode: bool) -> tuple[TokenArrays, np.ndarray]:
         data = [r.group.seq_data[r.seq_id] for r in rows]
