@@ -66,9 +66,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Remove a request wherever it is and free its self and cross blocks at once."""
         for queue in (self.waiting, self.running, self.swapped):

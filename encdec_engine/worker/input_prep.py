@@ -39,10 +39,6 @@ class TokenArrays:
     def max_query_len(self) -> int:
         return int(self.num_scheduled_tokens.max(initial=0))
 
-    @property
-    def max_seq_len(self) -> int:
-        return int(self.seq_lens.max(initial=0))
-
 
 def cumsum_and_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[2, 5, 3] -> cumsum [2, 7, 10], arange [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]."""
