@@ -27,6 +27,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token ids in, token ids out
     attention_backend: str = "auto"  # auto | torch | xformers
     enable_prefix_caching: bool = True  # reuse cached encoder outputs (cross KV) and decoder prefixes
+    enforce_eager: bool = False  # CUDA: never replay decode from CUDA graphs
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -57,6 +57,21 @@ def test_bart_greedy_matches_hf_on_cuda_fp32(config, bart_paths, make_llm):
     ref = [hf_greedy_cuda(hf, o.encoder_prompt_token_ids, o.prompt_token_ids, m) for o, m in zip(outs, max_tokens)]
     mismatches = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.outputs[0].token_ids != r]
     assert not mismatches, f"{len(mismatches)}/{len(outs)} differ from HF: {mismatches}"
+    assert llm.engine.runner.graph_steps > 0  # decode replayed CUDA graphs
+
+
+def test_cuda_graph_decode_equals_eager_decode(bart_path, make_llm):
+    prompts = None
+    tokens = {}
+    for eager in (False, True):
+        llm = make_llm(bart_path, device="cuda", dtype="float32", num_kv_blocks=400, enforce_eager=eager)
+        prompts = prompts or mixed_prompts(llm.get_tokenizer(), n=20, seed=8)
+        params = [SamplingParams(temperature=0.0, max_tokens=4 + (5 * i) % 23) for i in range(len(prompts))]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens[eager] = [o.outputs[0].token_ids for o in outs]
+        runner = llm.engine.runner
+        assert (runner.graphs is None) == eager and (runner.graph_steps == 0) == eager
+    assert tokens[False] == tokens[True]
 
 
 def test_bart_bf16_first_tokens_agree_with_hf_bf16(bart_path, make_llm):
@@ -107,6 +122,7 @@ def test_whisper_tiny_en_matches_hf_on_cuda_fp32(make_llm, whisper_clips, hf_tin
     for f, result, ref in zip(files, results, hf_whisper_tokens(hf_tiny_en_cuda, features)):
         assert result.error is None and len(result.segments) == 1
         assert prompt + result.segments[0].tokens + [50256] == ref, f.name
+    assert llm.engine.runner.graph_steps > 0
 
 
 def test_whisper_tiny_en_bf16_first_token_agrees(make_llm, whisper_clips, hf_tiny_en_cuda):

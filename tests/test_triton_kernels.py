@@ -304,3 +304,71 @@ def test_xformers_backend_needs_cuda_with_a_clear_error():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         make_backend(EngineConfig(model="unused", attention_backend="xformers"), torch.device("cpu"))
     assert isinstance(make_backend(EngineConfig(model="unused"), torch.device("cpu")), TorchSDPABackend)
+
+
+# -- decode through the CUDA-graph buffers (padded fixed-size batches), eagerly ----------
+def interpreted_xformers_engine(path: Path):
+    """A fresh CPU engine whose attention layers all use the xformers backend: prefill falls
+    back to torch SDPA (flash refuses CPU tensors), decode and stores run the interpreted kernels."""
+    from encdec_engine import LLM
+    from encdec_engine.attention.backends.xformers_backend import XFormersBackend
+    from encdec_engine.attention.layer import Attention
+
+    llm = LLM(model=str(path), num_kv_blocks=120)
+    backend = XFormersBackend.__new__(XFormersBackend)
+    backend._init(llm.engine.config.block_size)
+    for module in llm.engine.model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
+    llm.engine.runner.backend = backend
+    return llm
+
+
+@pytest.mark.parametrize("config", ["small", "odd_heads"])
+def test_padded_graph_decode_matches_eager_decode_and_hf(config, bart_paths, make_llm):
+    from transformers import BartForConditionalGeneration
+
+    from encdec_engine import SamplingParams
+    from helpers import hf_greedy, mixed_prompts
+
+    path = bart_paths[config]
+    llm = interpreted_xformers_engine(path)
+    engine = llm.engine
+    engine.runner.use_decode_graphs([1, 2, 4], engine.max_decoder_len,
+                                    engine.model.encoder_num_positions(engine.model.max_encoder_len), capture=False)
+    prompts = mixed_prompts(llm.get_tokenizer(), n=6, seed=5)
+    max_tokens = [2, 9, 5, 12, 3, 7]  # the batch shrinks 6 -> 1: eager above 4, then buckets 4, 2, 1
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    eager = make_llm(path).generate(prompts, params, use_tqdm=False)  # the torch backend, unpadded
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in eager]
+    hf = BartForConditionalGeneration.from_pretrained(path).eval()
+    ref = [hf_greedy(hf, o.encoder_prompt_token_ids, o.prompt_token_ids, m) for o, m in zip(outs, max_tokens)]
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    graph_steps, decode_steps = engine.runner.graph_steps, engine.stats["decode_steps"]
+    assert 0 < graph_steps < decode_steps, (graph_steps, decode_steps)  # both paths ran
+    assert engine.num_free_blocks() == engine.num_total_blocks()
+
+
+def test_padding_rows_store_nothing(bart_path):
+    """One real sequence in a batch of 4: its K/V land in its slot, and nothing else in any cache changes."""
+    from encdec_engine.worker.input_prep import DecodeBatch
+
+    llm = interpreted_xformers_engine(bart_path)
+    engine = llm.engine
+    runner = engine.runner
+    runner.use_decode_graphs([4], engine.max_decoder_len, 64, capture=False)
+    bs = engine.config.block_size
+    for cache in runner.cache.kv_caches:
+        cache.normal_()
+    before = [c.clone() for c in runner.cache.kv_caches]
+    seq_len = bs + 3  # the new token at position bs + 2, in the second block
+    batch = DecodeBatch(input_ids=np.array([7]), positions=np.array([seq_len - 1]),
+                        slot_mapping=np.array([9 * bs + 2]), block_tables=np.array([[5, 9]]),
+                        seq_lens=np.array([seq_len]), cross_block_tables=np.array([[11, 12]]),
+                        encoder_lens=np.array([20]))
+    out = runner.graphs.run(batch)
+    assert out.shape[0] == 1 and torch.isfinite(out).all()
+    for old, new in zip(before, runner.cache.kv_caches):
+        changed = (old != new).any(-1).any(-1)  # [2, num_blocks, block_size]
+        assert changed.nonzero().tolist() == [[0, 9, 2], [1, 9, 2]]

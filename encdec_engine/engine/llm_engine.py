@@ -20,6 +20,7 @@ from encdec_engine.inputs.prompts import PromptType
 from encdec_engine.outputs import CompletionOutput, RequestOutput
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
+from encdec_engine.worker.cuda_graphs import graph_batch_sizes
 from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool
 from encdec_engine.worker.model_runner import ModelRunner
 
@@ -56,6 +57,8 @@ class LLMEngine:
         self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.dtype, self.device)
         self.runner = ModelRunner(self.model, loaded.backend, self.cache_engine, bs, self.device,
                                   self.eos_token_ids, config.seed)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_decode_graphs(loaded)
         self.input_processor = InputProcessor(
             self.model, self.tokenizer, loaded.vocab_size, self.max_decoder_len, loaded.max_encoder_len,
             loaded.decoder_start_token_id, loaded.default_decoder_prompt, self.eos_token_id,
@@ -65,6 +68,20 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "generated_tokens": 0, "encoder_runs": 0}
+
+    def _capture_decode_graphs(self, loaded: LoadedModel) -> None:
+        backend = loaded.backend
+        if not backend.supports_cuda_graphs:
+            logger.info("CUDA graphs off: the %s backend's decode cannot be captured", backend.name)
+            return
+        sizes = graph_batch_sizes(self.config.max_num_seqs)
+        start = time.perf_counter()
+        encoder_positions = (self.model.encoder_num_positions(loaded.max_encoder_len)
+                             if self.model.is_encoder_decoder else None)
+        used = self.runner.use_decode_graphs(sizes, self.max_decoder_len, encoder_positions)
+        logger.info("CUDA graphs: decode captured at %d batch sizes (1..%d) in %.1f s, %.0f MiB; "
+                    "larger batches run eagerly (enforce_eager=True turns graphs off)",
+                    len(sizes), sizes[-1], time.perf_counter() - start, used / (1 << 20))
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,

@@ -19,18 +19,23 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> Non
                    help="KV pool size (default: 2 GiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the device for weights, activations and the KV pool")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode eagerly, without CUDA graphs")
+
+
+def _engine_kwargs(args) -> dict:
+    """The EngineConfig fields every command takes (see _engine_args)."""
+    return dict(dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                kv_cache_space_gb=args.kv_cache_space_gb, gpu_memory_utilization=args.gpu_memory_utilization,
+                enforce_eager=args.enforce_eager)
 
 
 def _llm(args):
     from encdec_engine import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, kv_cache_space_gb=args.kv_cache_space_gb,
-               gpu_memory_utilization=args.gpu_memory_utilization)
+    return LLM(model=args.model, **_engine_kwargs(args))
 
 
 def cmd_transcribe(args) -> int:
-    from encdec_engine import LLM
     from encdec_engine.entrypoints.writers import OUTPUT_FORMATS, render, write_transcription
 
     if args.model is None:
@@ -41,9 +46,7 @@ def cmd_transcribe(args) -> int:
         from encdec_engine.models.ct2_import import import_ct2_whisper
 
         args.model = str(import_ct2_whisper(args.model, Path(args.model) / ".encdec-hf"))
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-              max_num_seqs=args.max_num_seqs, kv_cache_space_gb=args.kv_cache_space_gb,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+    llm = _llm(args)
     options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt}
     if args.temperature is not None:
         options["temperatures"] = (args.temperature,)
@@ -119,9 +122,7 @@ def cmd_serve(args) -> int:
     limits = ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
                           max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
                           max_audio_seconds=args.max_audio_seconds)
-    engine = dict(dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                  kv_cache_space_gb=args.kv_cache_space_gb, swap_space_gb=args.swap_space_gb,
-                  gpu_memory_utilization=args.gpu_memory_utilization,
+    engine = dict(_engine_kwargs(args), swap_space_gb=args.swap_space_gb,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
     run_server(model, host=args.host, port=args.port, limits=limits, served_model_name=args.served_model_name,

@@ -91,3 +91,20 @@ def pad_rows(rows: list[list[int]], width: int | None = None, fill: int = 0) -> 
     for i, row in enumerate(rows):
         table[i, : len(row)] = row
     return table
+
+
+@dataclass
+class DecodeBatch:
+    """The host arrays of a decode step: one new token per sequence, n sequences."""
+
+    input_ids: np.ndarray  # [n]
+    positions: np.ndarray  # [n]
+    slot_mapping: np.ndarray  # [n] self-cache slot of each new K/V
+    block_tables: np.ndarray  # [n, w] self-cache blocks
+    seq_lens: np.ndarray  # [n] self keys, the new token included
+    cross_block_tables: np.ndarray | None = None  # [n, wc] cross-cache blocks; None without an encoder
+    encoder_lens: np.ndarray | None = None  # [n] cross keys
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.input_ids)

@@ -9,7 +9,9 @@ one `AttentionView`:
   decoder self (causal, block-diagonal over decoder lengths; reads the cache
   only where a prefix is already cached), cross (non-causal, rectangular
   decoder x encoder blocks; writes the cross cache from the encoder output);
-- decode: decoder self and cross read their paged caches through block tables.
+- decode: decoder self and cross read their paged caches through block tables;
+  on CUDA, batches up to the largest captured size replay a CUDA graph
+  (`cuda_graphs.DecodeGraphs`) over the same arrays (`DecodeBatch`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from encdec_engine.layers.logits_processors import SamplingRow
 from encdec_engine.layers.sampler import SampleResult, Sampler, beam_log_probs
 from encdec_engine.models.interface import EncoderInputs
 from encdec_engine.worker.cache_engine import CacheEngine
-from encdec_engine.worker.input_prep import TokenArrays, pad_rows, prepare_token_arrays
+from encdec_engine.worker.cuda_graphs import DecodeGraphs
+from encdec_engine.worker.input_prep import DecodeBatch, TokenArrays, pad_rows, prepare_token_arrays
 
 
 @dataclass
@@ -60,6 +63,22 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self.graphs: DecodeGraphs | None = None  # decode from CUDA graphs (see use_decode_graphs)
+        self.graph_steps = 0
+
+    def use_decode_graphs(self, batch_sizes: list[int], max_decoder_len: int, max_encoder_positions: int | None,
+                          capture: bool = True) -> int:
+        """Run decode batches of up to max(batch_sizes) sequences through static, padded buffers,
+        captured as CUDA graphs (larger batches stay eager). Returns the device memory the
+        capture took. `capture=False` runs the same padded batches eagerly (the CPU tests)."""
+        graphs = DecodeGraphs(
+            self.model, self.backend, self.cache.kv_caches, self.block_size, batch_sizes,
+            max_blocks=-(-max_decoder_len // self.block_size),
+            max_cross_blocks=None if max_encoder_positions is None else -(-max_encoder_positions // self.block_size),
+            device=self.device)
+        used = graphs.capture() if capture else 0
+        self.graphs = graphs
+        return used
 
     # -- input preparation ---------------------------------------------------
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -126,18 +145,26 @@ class ModelRunner:
                                block_tables=pad_rows([r.group.cross_block_table for r in rows]))
         return inputs, encoder, cross
 
-    def prepare_decode(self, rows: list[StepRow]) -> ModelInput:
+    def decode_batch(self, rows: list[StepRow]) -> DecodeBatch:
         dec, block_table = self._decoder_arrays(rows, decode=True)
-        decoder = self._view(dec.query_start_loc, dec.seq_lens, causal=True, slot_mapping=dec.slot_mapping,
-                             block_tables=block_table)
-        metadata = AttentionMetadata(decoder=decoder, block_size=self.block_size)
+        batch = DecodeBatch(input_ids=dec.input_ids, positions=dec.positions, slot_mapping=dec.slot_mapping,
+                            block_tables=block_table, seq_lens=dec.seq_lens)
         if rows[0].group.encoder_seq_data is not None:
-            enc_lens = np.array([r.group.encoder_seq_data.num_positions for r in rows], dtype=np.int64)
-            cross_tables = pad_rows([r.group.cross_block_table for r in rows])
-            metadata.cross = self._view(dec.query_start_loc, enc_lens, causal=False, block_tables=cross_tables)
+            batch.encoder_lens = np.array([r.group.encoder_seq_data.num_positions for r in rows], dtype=np.int64)
+            batch.cross_block_tables = pad_rows([r.group.cross_block_table for r in rows])
+        return batch
+
+    def prepare_decode(self, batch: DecodeBatch) -> ModelInput:
+        query_start_loc = np.arange(batch.num_seqs + 1, dtype=np.int64)
+        decoder = self._view(query_start_loc, batch.seq_lens, causal=True, slot_mapping=batch.slot_mapping,
+                             block_tables=batch.block_tables)
+        metadata = AttentionMetadata(decoder=decoder, block_size=self.block_size)
+        if batch.encoder_lens is not None:
+            metadata.cross = self._view(query_start_loc, batch.encoder_lens, causal=False,
+                                        block_tables=batch.cross_block_tables)
         return ModelInput(
-            input_ids=self._tensor(dec.input_ids), positions=self._tensor(dec.positions), metadata=metadata,
-            logits_indices=self._tensor(dec.query_start_loc[1:] - 1),
+            input_ids=self._tensor(batch.input_ids), positions=self._tensor(batch.positions), metadata=metadata,
+            logits_indices=self._tensor(query_start_loc[1:] - 1),
         )
 
     # -- execution -----------------------------------------------------------
@@ -146,13 +173,16 @@ class ModelRunner:
         """Run one step. Each row gets its samples (several for a request that forks into
         best_of sequences at its first token) or, in beam search, its processed log-probs."""
         rows = [StepRow(m, seq_id) for m in metadata_list for seq_id in m.seq_data]
-        inp = self.prepare_prefill(rows) if is_prompt else self.prepare_decode(rows)
-        self.backend.plan(inp.metadata)
-        encoder_hidden = None
-        if inp.encoder_inputs is not None:
-            encoder_hidden = self.model.encode(inp.encoder_inputs, inp.metadata)
-        hidden = self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.metadata, encoder_hidden)
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        if is_prompt:
+            hidden = self._forward(self.prepare_prefill(rows))
+        else:
+            batch = self.decode_batch(rows)
+            if self.graphs is not None and self.graphs.batch_size_for(batch.num_seqs) is not None:
+                hidden = self.graphs.run(batch)
+                self.graph_steps += 1
+            else:
+                hidden = self._forward(self.prepare_decode(batch))
+        logits = self.model.compute_logits(hidden)
         sampling = [self._sampling_row(r) for r in rows]
         results: list[StepResult] = [None] * len(rows)
         beam = [i for i, r in enumerate(rows) if r.group.sampling_params.use_beam_search]
@@ -167,6 +197,14 @@ class ModelRunner:
             for i, k in fanout:
                 results[i] = [next(samples) for _ in range(k)]
         return list(zip(rows, results))
+
+    def _forward(self, inp: ModelInput) -> torch.Tensor:  # [num_seqs, hidden] at the sampled tokens
+        self.backend.plan(inp.metadata)
+        encoder_hidden = None
+        if inp.encoder_inputs is not None:
+            encoder_hidden = self.model.encode(inp.encoder_inputs, inp.metadata)
+        hidden = self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.metadata, encoder_hidden)
+        return hidden[inp.logits_indices]
 
     @staticmethod
     def _fanout(row: StepRow, is_prompt: bool) -> int:

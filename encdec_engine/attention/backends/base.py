@@ -11,6 +11,9 @@ from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
 class AttentionBackend(Protocol):
     name: str
+    # Decode takes no host-side decision from the batch (no per-sequence loops, no syncs), so a
+    # decode forward over fixed-size buffers can be captured in a CUDA graph.
+    supports_cuda_graphs: bool
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Precompute, once per step, whatever every layer would otherwise redo."""

@@ -71,6 +71,7 @@ def plan_slices(view: AttentionView, block_size: int) -> _SlicePlan | None:
 
 class TorchSDPABackend:
     name = "torch-sdpa"
+    supports_cuda_graphs = False  # decode slices and gathers by host-side key lengths
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size

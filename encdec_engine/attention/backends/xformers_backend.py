@@ -54,6 +54,7 @@ class _ViewPlan:
 
 class XFormersBackend:
     name = "xformers"
+    supports_cuda_graphs = True  # decode: Triton store and paged kernels, grids from host shapes alone
 
     def __init__(self, block_size: int) -> None:
         if not torch.cuda.is_available():
