@@ -1,11 +1,25 @@
-"""Throughput: the engine vs Hugging Face `generate` on the same BART workload, same run.
+"""Throughput: the engine vs Hugging Face `generate` on the same workload, same run.
 
-Default workload: 64 requests, encoder lengths uniform in 64..512 (random token
-ids), exactly 64 generated tokens each (min_tokens = max_tokens), bart-base-sized
-random weights, fp32, 2 threads. HF runs at batch sizes 1, 8 and 32 (right-padded
-encoder inputs with an attention mask). Outputs are compared token for token.
+Workloads (random-init weights, greedy, exactly --max-tokens new tokens per request:
+min_tokens = max_tokens):
+
+    bart     --num-requests requests, encoder lengths uniform in --min-len..--max-len
+             (random token ids); --size base (bart-base) or large (bart-large). HF gets
+             right-padded encoder inputs with an attention mask.
+    whisper  --num-requests 30 s log-mel windows (random features) with a 4-token
+             decoder prompt; --size tiny (tiny.en shape) or large-v3 (1.55B params,
+             128 mels). HF runs the plain `generate` loop (no Whisper-specific logits
+             processors on either side) on batches of feature windows.
+
+HF runs at each of --hf-batch-sizes; outputs are compared token for token. The
+engine gets one untimed warm-up request; model loading is not timed.
 
     python scripts/bench_throughput.py [--num-requests 64] [--hf-batch-sizes 1,8,32] [--profile]
+    # on a CUDA machine (the GPU issue's workloads):
+    python scripts/bench_throughput.py --device cuda --dtype bfloat16 --size large --num-requests 1000 \
+        --hf-batch-sizes 32,128,256
+    python scripts/bench_throughput.py --device cuda --dtype bfloat16 --workload whisper --size large-v3 \
+        --num-requests 256 --hf-batch-sizes 16,64,128
 """
 
 from __future__ import annotations
@@ -24,16 +38,40 @@ ROOT = Path(__file__).resolve().parent.parent
 BART_BASE = dict(vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
                  decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072,
                  max_position_embeddings=1024, forced_eos_token_id=None, dropout=0.0)
+BART_SIZES = {
+    "base": BART_BASE,
+    "large": dict(BART_BASE, d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+                  decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096),
+}
+WHISPER_SIZES = {
+    "tiny": dict(vocab_size=51864, num_mel_bins=80, d_model=384, encoder_layers=4, decoder_layers=4,
+                 encoder_attention_heads=6, decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536),
+    "large-v3": dict(vocab_size=51866, num_mel_bins=128, d_model=1280, encoder_layers=32, decoder_layers=32,
+                     encoder_attention_heads=20, decoder_attention_heads=20, encoder_ffn_dim=5120,
+                     decoder_ffn_dim=5120),
+}
+WHISPER_PROMPT = [50258, 50259, 50360, 50364]  # large-v3 ids of sot, en, transcribe, notimestamps (any 4 ids do)
 
 
-def checkpoint(path: Path) -> Path:
-    """A bart-base-sized random-init checkpoint, made once."""
+def checkpoint(path: Path, workload: str = "bart", size: str = "base") -> Path:
+    """A random-init checkpoint of the workload's model at `size`, made once."""
     if (path / "config.json").is_file():
         return path
-    from transformers import BartConfig, BartForConditionalGeneration
-
     torch.manual_seed(0)
-    BartForConditionalGeneration(BartConfig(**BART_BASE)).save_pretrained(path)
+    if workload == "bart":
+        from transformers import BartConfig, BartForConditionalGeneration
+
+        BartForConditionalGeneration(BartConfig(**BART_SIZES[size])).save_pretrained(path)
+        return path
+    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+
+    sot, no_timestamps = WHISPER_PROMPT[0], WHISPER_PROMPT[-1]
+    config = WhisperConfig(**WHISPER_SIZES[size], max_source_positions=1500, max_target_positions=448,
+                           decoder_start_token_id=sot, eos_token_id=sot - 1, pad_token_id=sot - 1,
+                           begin_suppress_tokens=None, suppress_tokens=None)
+    WhisperForConditionalGeneration(config).save_pretrained(path)
+    GenerationConfig(decoder_start_token_id=sot, eos_token_id=sot - 1, pad_token_id=sot - 1,
+                     no_timestamps_token_id=no_timestamps).save_pretrained(path)
     return path
 
 
@@ -42,50 +80,85 @@ def workload(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     return [[0] + rng.integers(4, 50000, size=int(rng.integers(lo, hi + 1)) - 2).tolist() + [2] for _ in range(n)]
 
 
-def run_engine(path: Path, prompts, max_tokens: int, device: str, dtype: str, profile: bool):
+def feature_windows(n: int, num_mel_bins: int, seed: int) -> torch.Tensor:
+    """[n, mels, 3000] random log-mel windows in Whisper's normalized range."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, num_mel_bins, 3000, generator=gen) * 2.0 - 0.8).clamp(max=1.0)
+
+
+def engine_prompts(workload_name: str, inputs) -> list:
+    if workload_name == "bart":
+        return [{"prompt_token_ids": p} for p in inputs]
+    return [{"encoder_prompt": {"prompt_token_ids": [], "multi_modal_data": {"input_features": f}},
+             "decoder_prompt": {"prompt_token_ids": WHISPER_PROMPT}} for f in inputs]
+
+
+def run_engine(path: Path, prompts: list, max_tokens: int, device: str, dtype: str, profile: bool,
+               enforce_eager: bool):
     from encdec_engine import LLM, SamplingParams
 
-    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, device=device, kv_cache_space_gb=4.0)
+    kv = {} if device.startswith("cuda") else {"kv_cache_space_gb": 4.0}  # CUDA: sized from free memory
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, device=device, enforce_eager=enforce_eager, **kv)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
-    llm.generate([{"prompt_token_ids": prompts[0][:64]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    sync(device)
     prof = cProfile.Profile() if profile else None
     start = time.perf_counter()
     if prof:
         prof.enable()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sync(device)
     if prof:
         prof.disable()
     elapsed = time.perf_counter() - start
     if prof:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
     stats = llm.engine.stats
-    print(f"  engine steps: {stats['prefill_steps']} prefill, {stats['decode_steps']} decode")
+    print(f"  engine steps: {stats['prefill_steps']} prefill, {stats['decode_steps']} decode "
+          f"({llm.engine.runner.graph_steps} from CUDA graphs); {llm.engine.kv_pool.describe()}")
     return [o.outputs[0].token_ids for o in outs], elapsed
 
 
-def run_hf(path: Path, prompts, max_tokens: int, batch_size: int, device: str, dtype: str):
-    from transformers import BartForConditionalGeneration
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": torch.float32}[dtype]
-    model = BartForConditionalGeneration.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def run_hf(workload_name: str, path: Path, inputs, max_tokens: int, batch_size: int, device: str, dtype: str):
+    from transformers import BartForConditionalGeneration, WhisperForConditionalGeneration
+    from transformers.generation import GenerationMixin
+
+    torch_dtype = _DTYPES.get(dtype, torch.float32)
+    cls = BartForConditionalGeneration if workload_name == "bart" else WhisperForConditionalGeneration
+    model = cls.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    greedy = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, num_beams=1,
+                  forced_eos_token_id=None, forced_bos_token_id=None, no_repeat_ngram_size=0, min_length=0)
     outs = []
+    sync(device)
     start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        batch = prompts[i : i + batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), 1, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, p in enumerate(batch):
-            ids[j, : len(p)] = torch.tensor(p)
-            mask[j, : len(p)] = 1
+    for i in range(0, len(inputs), batch_size):
+        batch = inputs[i : i + batch_size]
         with torch.inference_mode():
-            gen = model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device),
-                decoder_input_ids=torch.tensor([[2, 0]] * len(batch), device=device),
-                max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, num_beams=1,
-                forced_eos_token_id=None, forced_bos_token_id=None, no_repeat_ngram_size=0, min_length=0,
-            )
-        outs.extend(row[2:].tolist() for row in gen.cpu())
+            if workload_name == "bart":
+                width = max(len(p) for p in batch)
+                ids = torch.full((len(batch), width), 1, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for j, p in enumerate(batch):
+                    ids[j, : len(p)] = torch.tensor(p)
+                    mask[j, : len(p)] = 1
+                prompt = [2, 0]
+                gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                     decoder_input_ids=torch.tensor([prompt] * len(batch), device=device), **greedy)
+            else:  # the generic loop: Whisper's own generate adds its timestamp and language logic
+                prompt = WHISPER_PROMPT
+                gen = GenerationMixin.generate(
+                    model, input_features=batch.to(device, torch_dtype),
+                    decoder_input_ids=torch.tensor([prompt] * len(batch), device=device), **greedy)
+        outs.extend(row[len(prompt):].tolist() for row in gen.cpu())
+    sync(device)
     return outs, time.perf_counter() - start
 
 
@@ -99,22 +172,36 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--checkpoint", default=str(ROOT / "models" / "checkpoints" / "bart-base-random"))
+    ap.add_argument("--workload", choices=["bart", "whisper"], default="bart")
+    ap.add_argument("--size", default=None, help="bart: base (default) | large; whisper: tiny (default) | large-v3")
+    ap.add_argument("--checkpoint", default=None, help="default: models/checkpoints/<workload>-<size>-random")
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: decode without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    path = checkpoint(Path(args.checkpoint))
-    prompts = workload(args.num_requests, args.min_len, args.max_len, seed=0)
+    sizes = BART_SIZES if args.workload == "bart" else WHISPER_SIZES
+    size = args.size or next(iter(sizes))
+    if size not in sizes:
+        ap.error(f"--size for {args.workload} must be one of {', '.join(sizes)}")
+    path = checkpoint(Path(args.checkpoint or ROOT / "models" / "checkpoints" / f"{args.workload}-{size}-random"),
+                      args.workload, size)
+    if args.workload == "bart":
+        inputs = workload(args.num_requests, args.min_len, args.max_len, seed=0)
+        shape = (f"encoder lengths {args.min_len}..{args.max_len} (mean {np.mean([len(p) for p in inputs]):.0f})")
+    else:
+        inputs = feature_windows(args.num_requests, WHISPER_SIZES[size]["num_mel_bins"], seed=0)
+        shape = "30 s feature windows (1500 encoder positions)"
     new_tokens = args.num_requests * args.max_tokens
-    print(f"workload: {args.num_requests} requests, encoder lengths {args.min_len}..{args.max_len} "
-          f"(mean {np.mean([len(p) for p in prompts]):.0f}), {args.max_tokens} new tokens each, "
-          f"{args.dtype}, {args.threads} threads, {args.device}")
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{args.threads} CPU threads"
+    print(f"workload: {args.workload}-{size}, {args.num_requests} requests, {shape}, {args.max_tokens} new tokens "
+          f"each, {args.dtype}, {device_name}")
 
-    engine_out, engine_s = run_engine(path, prompts, args.max_tokens, args.device, args.dtype, args.profile)
+    engine_out, engine_s = run_engine(path, engine_prompts(args.workload, inputs), args.max_tokens, args.device,
+                                      args.dtype, args.profile, args.enforce_eager)
     rows = [("engine", engine_s, None)]
     for bs in [int(b) for b in args.hf_batch_sizes.split(",") if b]:
-        hf_out, hf_s = run_hf(path, prompts, args.max_tokens, bs, args.device, args.dtype)
+        hf_out, hf_s = run_hf(args.workload, path, inputs, args.max_tokens, bs, args.device, args.dtype)
         same = sum(a == b for a, b in zip(engine_out, hf_out))
         rows.append((f"hf generate bs={bs}", hf_s, same))
 
