@@ -6,6 +6,8 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from encdec_engine.config import EngineConfig
@@ -89,10 +91,8 @@ class LLM:
         """Transcribe audio files (any format librosa reads), arrays at 16 kHz, or (samples, sample_rate)
         pairs. Returns one Transcription per input in input order; an input that cannot be read gets
         `error` set while the others are still transcribed. `options` are TranscribeOptions fields."""
-        if isinstance(audio, (str, Path)) or (isinstance(audio, tuple) and len(audio) == 2 and not isinstance(audio[0], (str, Path))):
-            audio = [audio]
         transcriber = Transcriber(self.engine, TranscribeOptions(language=language, task=task, **options))
-        return transcriber.run(list(audio), use_tqdm=use_tqdm, max_in_flight=max_in_flight)
+        return transcriber.run(_audio_inputs(audio), use_tqdm=use_tqdm, max_in_flight=max_in_flight)
 
     def summarize(self, texts: str | Sequence[str], use_tqdm: bool = False, **overrides) -> list[str]:
         """Summaries exactly as HF `generate` makes them with the checkpoint's generation config
@@ -141,3 +141,11 @@ def summarization_params(engine: LLMEngine, **overrides) -> SamplingParams:
 
 def _or_default(value, default):
     return default if value is None else value
+
+
+def _audio_inputs(audio) -> list:
+    """One input (a path, a 1-D array, a (samples, rate) pair) or a sequence of them -> a list."""
+    one = (isinstance(audio, (str, Path))
+           or (isinstance(audio, (np.ndarray, torch.Tensor)) and audio.ndim == 1)
+           or (isinstance(audio, tuple) and len(audio) == 2 and not isinstance(audio[0], (str, Path))))
+    return [audio] if one else list(audio)

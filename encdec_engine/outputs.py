@@ -33,6 +33,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    no_speech_prob: float | None = None  # when SamplingParams.no_speech_token_id asked for it
 
 
 @dataclass

@@ -41,6 +41,9 @@ class SamplingParams:
     suppress_tokens: list[int] | None = None  # banned at every step
     begin_suppress_tokens: list[int] | None = None  # banned at the first step
     allowed_token_ids: list[int] | None = None  # only these may be generated (e.g. language detection)
+    # Whisper: report, as RequestOutput.no_speech_prob, this token's probability right after the decoder
+    # start token (<|startoftranscript|>) of the prompt, from the raw logits (openai-whisper's no_speech_prob).
+    no_speech_token_id: int | None = None
     # Extra processors, applied last: callables (output_token_ids, logits[vocab]) -> None editing in place.
     logits_processors: list | None = None
     # Beam search (HF semantics).
@@ -100,6 +103,8 @@ class SamplingParams:
             fail("early_stopping", 'must be True, False or "never"')
         if self.seed is not None and self.seed < 0:
             fail("seed", "must be non-negative")
+        if self.no_speech_token_id is not None and self.no_speech_token_id < 0:
+            fail("no_speech_token_id", "must be a non-negative token id")
         if any(t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative token ids")
 

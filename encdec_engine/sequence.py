@@ -141,6 +141,10 @@ class SequenceGroup:
         self.generator: Any = None  # torch.Generator of a seeded request, made by the runner
         self.beam: Any = None  # BeamState of a beam-search request
         self.encoder_cached = False  # its cross KV is already in the pool: skip the encoder
+        # Prompt position whose next-token distribution gives no_speech_prob (SamplingParams.no_speech_token_id);
+        # the prefill always computes it (never a cached prefix).
+        self.no_speech_position: int | None = None
+        self.no_speech_prob: float | None = None  # set by the runner at prefill
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:

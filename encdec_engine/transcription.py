@@ -5,8 +5,11 @@ of the zero-padded 30 s window). Longer audio follows openai-whisper: log-mel
 of the whole recording, then sequential 30 s windows that seek to the last
 timestamp token, each conditioned on the previous window's text, with
 temperature fallback when the compression ratio or the mean log-probability
-says a window failed. Each file's windows are sequential, but the windows of
-all files in flight share the engine's batches.
+says a window failed. A window whose no-speech probability is above
+`no_speech_threshold` and whose text is improbable (mean log-probability at or
+below `logprob_threshold`) is silence: it is skipped, with no segment and no
+fallback. Each file's windows are sequential, but the windows of all files in
+flight share the engine's batches.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class TranscribeOptions:
     temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # fallback sequence
     compression_ratio_threshold: float | None = 2.4  # above: the window looped, retry hotter
     logprob_threshold: float | None = -1.0  # mean token log-probability below: retry hotter
+    no_speech_threshold: float | None = 0.6  # no-speech probability above (and an improbable text): skip
     best_of: int = 5  # samples per window when temperature > 0
     seed: int = 0  # sampling at temperature > 0 is seeded per window: reruns give the same text
 
@@ -190,6 +194,7 @@ class Transcriber:
             temperature=temperature, n=1, best_of=self.options.best_of if sampled else 1,
             seed=self.options.seed + 1000 * job.index + job.window if sampled else None,
             max_tokens=self._max_tokens(prompt_len), logprobs=0, skip_special_tokens=True,
+            no_speech_token_id=self.tokens.no_speech,
             suppress_tokens=self.suppress, begin_suppress_tokens=self.begin_suppress,
             logits_processors=[self.timestamp_rules] if self.options.timestamps else None,
         )
@@ -213,24 +218,35 @@ class Transcriber:
         avg_logprob = (completion.cumulative_logprob or 0.0) / max(1, len(completion.token_ids))
         ratio = compression_ratio(text)
         temperature = self.options.temperatures[job.temperature_index]
-        failed = (self.options.compression_ratio_threshold is not None
-                  and ratio > self.options.compression_ratio_threshold) or (
-                  self.options.logprob_threshold is not None and avg_logprob < self.options.logprob_threshold)
-        if failed and job.temperature_index + 1 < len(self.options.temperatures):
+        opts = self.options
+        no_speech = out.no_speech_prob if out.no_speech_prob is not None else 0.0
+        improbable = opts.logprob_threshold is not None and avg_logprob < opts.logprob_threshold
+        silence = opts.no_speech_threshold is not None and no_speech > opts.no_speech_threshold
+        failed = (opts.compression_ratio_threshold is not None and ratio > opts.compression_ratio_threshold
+                  or improbable) and not (silence and improbable)  # silence: no use retrying hotter
+        if failed and job.temperature_index + 1 < len(opts.temperatures):
             job.temperature_index += 1
             return True
-        self._add_segments(job, tokens, temperature, avg_logprob, ratio)
         job.temperature_index = 0
         job.window += 1
+        if silence and not (opts.logprob_threshold is not None and avg_logprob > opts.logprob_threshold):
+            job.seek += self._window_frames(job)  # skipped: no segment, nothing conditions the next window
+            return job.long_form and job.seek < job.num_frames
+        self._add_segments(job, tokens, temperature, avg_logprob, ratio, no_speech)
         if temperature > 0.5:
             job.prompt_reset = len(job.tokens)
         return job.long_form and job.seek < job.num_frames
 
+    @staticmethod
+    def _window_frames(job: TranscriptionJob) -> int:
+        """Mel frames of audio the current window covers."""
+        return min(N_FRAMES, job.num_frames - job.seek) if job.long_form else job.num_frames
+
     def _add_segments(self, job: TranscriptionJob, tokens: list[int], temperature: float, avg_logprob: float,
-                      ratio: float) -> None:
+                      ratio: float, no_speech: float) -> None:
         begin = self.tokens.timestamp_begin
         offset = job.seek / FRAMES_PER_SECOND
-        window_frames = min(N_FRAMES, job.num_frames - job.seek) if job.long_form else job.num_frames
+        window_frames = self._window_frames(job)
         is_ts = [t >= begin for t in tokens]
         cuts = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]
         single_ending = len(tokens) >= 2 and not is_ts[-2] and is_ts[-1]
@@ -240,7 +256,7 @@ class Transcriber:
             if not text.strip():
                 return
             job.segments.append(Segment(len(job.segments), round(start, 3), round(end, 3), text, piece,
-                                        temperature, avg_logprob, ratio))
+                                        temperature, avg_logprob, ratio, no_speech))
 
         if cuts:
             if single_ending:

@@ -46,6 +46,7 @@ def test_transcribe_all_formats_and_a_bad_file(tmp_path):
     assert "coffee with milk" in (out / "coffee.txt").read_text()
     result = json.loads((out / "long_meeting.json").read_text())
     assert result["language"] == "en" and result["duration"] > 60 and len(result["segments"]) > 3
+    assert all(0.0 < s["no_speech_prob"] < 0.6 for s in result["segments"])  # speech throughout
     srt = (out / "long_meeting.srt").read_text().splitlines()
     assert srt[0] == "1" and check_cues(srt, SRT_TIME, result["duration"]) == len(result["segments"])
     vtt = (out / "long_meeting.vtt").read_text().splitlines()
@@ -55,6 +56,6 @@ def test_transcribe_all_formats_and_a_bad_file(tmp_path):
 
 
 def test_transcribe_prints_text_with_the_default_model():
-    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet")
+    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet", "--no-speech-threshold", "none")
     assert r.returncode == 0, r.stderr
     assert "beautiful day to go for a walk in the park" in r.stdout

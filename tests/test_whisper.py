@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import jiwer
+import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
@@ -221,3 +222,62 @@ def test_beam_search_matches_hf_on_tiny_en(tiny_en, hf_tiny_en):
         with torch.no_grad():
             ref = hf_tiny_en.generate(input_features=f[None], num_beams=4, return_dict_in_generate=True)
         assert out.prompt_token_ids + out.outputs[0].token_ids == ref.sequences[0].tolist()
+
+
+# -- no-speech probability --------------------------------------------------------
+def hf_no_speech_prob(model, features: torch.Tensor, prompt: list[int], sot_index: int, token: int) -> float:
+    """openai-whisper's definition: softmax of the raw logits after <|startoftranscript|>, at <|nospeech|>."""
+    with torch.no_grad():
+        logits = model(input_features=features[None], decoder_input_ids=torch.tensor([prompt])).logits
+    return torch.softmax(logits[0, sot_index], -1)[token].item()
+
+
+def test_no_speech_prob_matches_hf_logits_also_over_cached_prefixes(tiny_en, hf_tiny_en):
+    from encdec_engine.models.whisper_tokens import WhisperTokens
+
+    engine = tiny_en.engine
+    tokens = WhisperTokens.from_configs(engine.hf_config, engine.generation_config)
+    clips = [load_audio(AUDIO / SHORT_CLIPS[0]), torch.zeros(16000 * 3).numpy()]  # speech, then silence
+    features = log_mel_spectrogram(clips)
+    bs = engine.config.block_size
+    text = " a long previous window of text that fills more than one whole block of the cache, and then some more"
+    previous = tiny_en.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    # <|startoftranscript|> at 0; at the end of the first block (a full block the cache would reuse were the
+    # position not held back); and in the second block (the first block is reused).
+    prompts = [tokens.decoder_prompt(), tokens.decoder_prompt(previous=previous[: bs - 2]),
+               tokens.decoder_prompt(previous=previous[: bs + 2])]
+    assert [p.index(tokens.sot) for p in prompts] == [0, bs - 1, bs + 3] and len(prompts[1]) > bs
+    params = SamplingParams(temperature=0.0, max_tokens=2, no_speech_token_id=tokens.no_speech)
+    requests = [{"encoder_prompt": {"prompt": "", "multi_modal_data": {"input_features": f}},
+                 "decoder_prompt": {"prompt_token_ids": p}} for f in features for p in prompts]
+    hits = engine.block_manager.cache_stats["self_block_hits"]
+    first = [o.no_speech_prob for o in tiny_en.generate(requests, params, use_tqdm=False)]
+    again = [o.no_speech_prob for o in tiny_en.generate(requests, params, use_tqdm=False)]
+    assert engine.block_manager.cache_stats["self_block_hits"] - hits == 2  # the third prompt's, once per clip
+    refs = [hf_no_speech_prob(hf_tiny_en, f, p, p.index(tokens.sot), tokens.no_speech) for f in features for p in prompts]
+    for mine, mine_again, ref in zip(first, again, refs):
+        assert mine == pytest.approx(ref, abs=1e-5) and mine_again == pytest.approx(ref, abs=1e-5)
+    assert first[0] < 0.3 < 0.6 < first[3], first  # speech vs silence
+    assert tiny_en.generate(requests[:1], SamplingParams(max_tokens=1), use_tqdm=False)[0].no_speech_prob is None
+
+
+def test_no_speech_prob_errors_name_the_problem(tiny_en):
+    prompt = {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (torch.zeros(8000).numpy(), 16000)}},
+              "decoder_prompt": {"prompt_token_ids": [50257, 50362]}}
+    with pytest.raises(ValueError, match="no_speech_token_id 99999 is outside the vocabulary"):
+        tiny_en.generate([prompt], SamplingParams(no_speech_token_id=99999), use_tqdm=False)
+    with pytest.raises(ValueError, match="SamplingParams.no_speech_token_id must be a non-negative token id"):
+        SamplingParams(no_speech_token_id=-1)
+    # Prompts always open with the decoder start token; the position lookup still refuses one without it.
+    with pytest.raises(ValueError, match=r"needs the decoder start token \(50257\) in the decoder prompt"):
+        tiny_en.engine._no_speech_position([50362], 50361)
+
+
+def test_transcripts_report_no_speech_and_skip_silent_windows(tiny_en, hf_tiny_en):
+    speech = tiny_en.transcribe(AUDIO / SHORT_CLIPS[0])[0]
+    assert 0.0 < speech.segments[0].no_speech_prob < 0.3
+    noise = (np.random.default_rng(0).standard_normal(16000 * 5) * 0.01).astype(np.float32)
+    skipped = tiny_en.transcribe(noise)[0]  # high no-speech probability and an improbable text: skipped
+    assert skipped.text == "" and skipped.segments == []
+    kept = tiny_en.transcribe(noise, no_speech_threshold=None)[0]
+    assert kept.text.strip() and kept.segments[0].no_speech_prob > 0.6

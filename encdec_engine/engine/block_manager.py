@@ -175,7 +175,7 @@ class BlockManager:
         if self.enable_caching:  # decoder-only prompts share prefixes under one fixed key
             key = enc.cache_key if enc is not None else b"decoder-only"
         for seq in group.get_seqs(SequenceStatus.WAITING):
-            self.block_tables[seq.seq_id] = self._allocate_self(seq, key)
+            self.block_tables[seq.seq_id] = self._allocate_self(seq, key, group.no_speech_position)
         if enc is not None and group.request_id not in self.cross_block_tables:
             n = blocks_for(enc.num_positions, self.block_size)
             hashes = [chain_hash(key, "cross", i) for i in range(n)] if key is not None else []
@@ -194,7 +194,9 @@ class BlockManager:
                     self.device.register(block, h)
                 self.cross_block_tables[group.request_id] = table
 
-    def _allocate_self(self, seq: Sequence, key) -> list[int]:
+    def _allocate_self(self, seq: Sequence, key, compute_from: int | None = None) -> list[int]:
+        """The sequence's self table, reusing cached full blocks before position `compute_from`
+        (default: the last token, which must be computed for its logits)."""
         bs, tokens = self.block_size, seq.data.token_ids
         table: list[int] = []
         hashes: list[bytes] = []
@@ -205,7 +207,8 @@ class BlockManager:
                 previous = chain_hash(previous, tokens[i * bs : (i + 1) * bs])
                 hashes.append(previous)
             self.cache_stats["self_queries"] += 1
-            for h in hashes:
+            reusable = hashes if compute_from is None else hashes[: compute_from // bs]
+            for h in reusable:
                 block = self.device.lookup(h)
                 if block is None:
                     break

@@ -95,6 +95,8 @@ class LLMEngine:
         # One sequence runs the prefill; n > 1 and beam search fork it afterwards, sharing its blocks.
         seqs = [Sequence(next(self._seq_ids), inputs.decoder_token_ids, inputs.decoder_prompt)]
         group = SequenceGroup(request_id, seqs, params, arrival_time or time.monotonic(), inputs.encoder_seq)
+        if params.no_speech_token_id is not None:
+            group.no_speech_position = self._no_speech_position(inputs.decoder_token_ids, params.no_speech_token_id)
         if params.use_beam_search:
             prompt_len = len(inputs.decoder_token_ids)
             max_new = params.max_tokens or self.max_decoder_len - prompt_len
@@ -115,6 +117,15 @@ class LLMEngine:
         if encoder_seq is not None and encoder_seq.num_positions + len(decoder_ids) > self.scheduler.config.max_num_batched_tokens:
             raise ValueError(f"prompt needs {encoder_seq.num_positions + len(decoder_ids)} prefill positions, more than "
                              f"max_num_batched_tokens={self.scheduler.config.max_num_batched_tokens}")
+
+    def _no_speech_position(self, decoder_ids: list[int], token_id: int) -> int:
+        """The last decoder start token of the prompt: no_speech_prob is read right after it."""
+        start, vocab = self.input_processor.decoder_start_token_id, self.input_processor.vocab_size
+        if token_id >= vocab:
+            raise ValueError(f"no_speech_token_id {token_id} is outside the vocabulary (size {vocab})")
+        if start is None or start not in decoder_ids:
+            raise ValueError(f"no_speech_token_id needs the decoder start token ({start}) in the decoder prompt")
+        return len(decoder_ids) - 1 - decoder_ids[::-1].index(start)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its self and cross blocks are freed at once."""
@@ -260,7 +271,7 @@ class LLMEngine:
             request_id=group.request_id, prompt=first.prompt, prompt_token_ids=list(first.data.prompt_token_ids),
             encoder_prompt=enc.prompt if enc else None,
             encoder_prompt_token_ids=list(enc.prompt_token_ids) if enc and enc.prompt_token_ids else None,
-            outputs=outputs, finished=group.is_finished(), metrics=metrics,
+            outputs=outputs, finished=group.is_finished(), metrics=metrics, no_speech_prob=group.no_speech_prob,
         )
 
     # -- introspection -------------------------------------------------------

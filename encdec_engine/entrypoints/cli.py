@@ -47,7 +47,8 @@ def cmd_transcribe(args) -> int:
 
         args.model = str(import_ct2_whisper(args.model, Path(args.model) / ".encdec-hf"))
     llm = _llm(args)
-    options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt}
+    options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt,
+               "no_speech_threshold": args.no_speech_threshold}
     if args.temperature is not None:
         options["temperatures"] = (args.temperature,)
     results = llm.transcribe(args.audio, language=args.language, task=args.task, use_tqdm=not args.quiet,
@@ -153,6 +154,10 @@ def _add_serve_parser(sub) -> None:
     sv.set_defaults(func=cmd_serve)
 
 
+def _optional_float(value: str) -> float | None:
+    return None if value.lower() == "none" else float(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="encdec", description="Serve encoder/decoder transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--temperature", type=float, default=None, help="one fixed temperature (no fallback)")
     tr.add_argument("--without-timestamps", action="store_true", help="decode with <|notimestamps|>")
     tr.add_argument("--initial-prompt", default=None, help="text that conditions the first window")
+    tr.add_argument("--no-speech-threshold", type=_optional_float, default=0.6,
+                    help="skip a window whose no-speech probability is above this and whose text is improbable "
+                         "(mean log-probability <= -1); 'none' never skips")
     tr.add_argument("--verbose", action="store_true", help="print timed segments (VTT) instead of text")
     tr.add_argument("--quiet", action="store_true", help="no progress bar; with output files, no stdout")
     tr.set_defaults(func=cmd_transcribe)

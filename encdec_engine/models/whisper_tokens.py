@@ -26,6 +26,11 @@ class WhisperTokens:
     def timestamp_begin(self) -> int:
         return self.no_timestamps + 1
 
+    @property
+    def no_speech(self) -> int:
+        """<|nospeech|> (<|nocaptions|> in the first vocabularies): right before <|notimestamps|>, as in HF."""
+        return self.no_timestamps - 1
+
     @classmethod
     def from_configs(cls, config, generation_config) -> WhisperTokens:
         gc = generation_config

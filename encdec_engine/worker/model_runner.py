@@ -16,7 +16,7 @@ one `AttentionView`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,8 +36,10 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_seqs] the token whose logits sample each sequence
+    # [num_seqs + num_probes] the token whose logits sample each sequence, then each no-speech probe's token
+    logits_indices: torch.Tensor
     encoder_inputs: EncoderInputs | None = None
+    no_speech_rows: list[int] = field(default_factory=list)  # rows whose prefill reports no_speech_prob
 
 
 StepResult = list[SampleResult] | torch.Tensor  # samples, or beam-search log-probs [vocab]
@@ -109,10 +111,26 @@ class ModelRunner:
         groups = list({id(r.group): r.group for r in rows}.values())
         if groups[0].encoder_seq_data is not None:
             encoder_inputs, metadata.encoder, metadata.cross = self._prepare_encoder(groups, rows, dec)
+        no_speech_rows, probe_indices = self._no_speech_probes(rows, dec)
         return ModelInput(
             input_ids=self._tensor(dec.input_ids), positions=self._tensor(dec.positions), metadata=metadata,
-            logits_indices=self._tensor(dec.query_start_loc[1:] - 1), encoder_inputs=encoder_inputs,
+            logits_indices=self._tensor(np.concatenate([dec.query_start_loc[1:] - 1, probe_indices])),
+            encoder_inputs=encoder_inputs, no_speech_rows=no_speech_rows,
         )
+
+    @staticmethod
+    def _no_speech_probes(rows: list[StepRow], dec: TokenArrays) -> tuple[list[int], np.ndarray]:
+        """Rows that asked for no_speech_prob, and the flat index of each one's probed prompt token."""
+        found = [(i, r.group.group.no_speech_position) for i, r in enumerate(rows)
+                 if r.group.group.no_speech_position is not None]
+        indices = []
+        for i, position in found:
+            offset = position - int(dec.num_computed_tokens[i])
+            if not 0 <= offset < int(dec.num_scheduled_tokens[i]):
+                raise RuntimeError(f"no-speech position {position} of request {rows[i].group.request_id} "
+                                   "is not among the tokens this prefill computes")
+            indices.append(int(dec.query_start_loc[i]) + offset)
+        return [i for i, _ in found], np.array(indices, dtype=np.int64)
 
     def _prepare_encoder(self, groups, rows: list[StepRow], dec: TokenArrays):
         """Encoder inputs and views. Groups whose cross KV is already cached skip the encoder;
@@ -173,8 +191,11 @@ class ModelRunner:
         """Run one step. Each row gets its samples (several for a request that forks into
         best_of sequences at its first token) or, in beam search, its processed log-probs."""
         rows = [StepRow(m, seq_id) for m in metadata_list for seq_id in m.seq_data]
+        no_speech_rows = []
         if is_prompt:
-            hidden = self._forward(self.prepare_prefill(rows))
+            inp = self.prepare_prefill(rows)
+            hidden = self._forward(inp)
+            no_speech_rows = inp.no_speech_rows
         else:
             batch = self.decode_batch(rows)
             if self.graphs is not None and self.graphs.batch_size_for(batch.num_seqs) is not None:
@@ -183,6 +204,9 @@ class ModelRunner:
             else:
                 hidden = self._forward(self.prepare_decode(batch))
         logits = self.model.compute_logits(hidden)
+        if no_speech_rows:
+            logits, probes = logits[: len(rows)], logits[len(rows) :]
+            self._record_no_speech([rows[i] for i in no_speech_rows], probes)
         sampling = [self._sampling_row(r) for r in rows]
         results: list[StepResult] = [None] * len(rows)
         beam = [i for i, r in enumerate(rows) if r.group.sampling_params.use_beam_search]
@@ -205,6 +229,13 @@ class ModelRunner:
             encoder_hidden = self.model.encode(inp.encoder_inputs, inp.metadata)
         hidden = self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.metadata, encoder_hidden)
         return hidden[inp.logits_indices]
+
+    def _record_no_speech(self, rows: list[StepRow], logits: torch.Tensor) -> None:
+        """no_speech_prob: softmax of the raw logits after the decoder start token, at the no-speech token."""
+        token_ids = torch.tensor([r.group.sampling_params.no_speech_token_id for r in rows], device=logits.device)
+        probs = torch.softmax(logits.float(), dim=-1).gather(1, token_ids[:, None])[:, 0].tolist()
+        for row, prob in zip(rows, probs):
+            row.group.group.no_speech_prob = prob
 
     @staticmethod
     def _fanout(row: StepRow, is_prompt: bool) -> int:
