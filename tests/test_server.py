@@ -196,6 +196,21 @@ def test_transcription_stream(whisper_server):
     assert done.usage.output_tokens > 0 and done.usage.input_tokens > done.usage.output_tokens
 
 
+def test_silence_is_skipped_but_a_stream_keeps_what_it_sent(whisper_server, tmp_path):
+    import numpy as np
+    import soundfile
+
+    path = tmp_path / "noise.wav"
+    soundfile.write(path, (np.random.default_rng(0).standard_normal(16000 * 5) * 0.01).astype(np.float32), 16000)
+    client = whisper_server.client()
+    with open(path, "rb") as f:  # improbable text where no speech is likely: skipped, as faster-whisper does
+        assert client.audio.transcriptions.create(model="whisper-1", file=f, response_format="text") == "\n"
+    with open(path, "rb") as f:
+        events = list(client.audio.transcriptions.create(model="whisper-1", file=f, stream=True))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    assert events[-1].text and "".join(deltas) == events[-1].text  # a stream never takes back what it sent
+
+
 def test_translation_needs_multilingual_model(whisper_server):
     with open(AUDIO / "fox.wav", "rb") as f, pytest.raises(openai.BadRequestError, match="English-only"):
         whisper_server.client().audio.translations.create(model="whisper-1", file=f)

@@ -56,8 +56,10 @@ async def _audio_request(request: Request, task: str) -> Response:
         raise APIError(413, f"upload is larger than this server's limit of {st.limits.max_upload_mb:g} MB", "file")
     stream = getattr(req, "stream", False)
     temperatures = (req.temperature,) if stream else _fallback_temperatures(req.temperature)
+    # A stream sends tokens as they are decoded, so nothing it sent may be retried or skipped after.
     options = TranscribeOptions(language=getattr(req, "language", None), task=task, initial_prompt=req.prompt,
-                                timestamps=not stream, temperatures=temperatures)
+                                timestamps=not stream, temperatures=temperatures,
+                                **({"no_speech_threshold": None} if stream else {}))
     try:
         transcriber = Transcriber(st.engine.engine, options)
         transcriber.tokens.decoder_prompt(options.language, task)  # language and task on this checkpoint
@@ -178,8 +180,8 @@ async def _transcript_events(st: ServerState, transcriber: Transcriber, job, req
                              ticket: Ticket) -> AsyncIterator[str]:
     """`transcript.text.delta` events as tokens are decoded, then `transcript.text.done`.
 
-    Streaming decodes without timestamps and without temperature fallback, so every token
-    decoded is final and can be sent at once (windows of long audio follow each other)."""
+    Streaming decodes without timestamps, temperature fallback or silence skipping, so every
+    token decoded is final and can be sent at once (windows of long audio follow each other)."""
     sent, prompt_tokens, output_tokens, windows = "", 0, 0, 0
     try:
         async for out in st.engine.run_transcription(transcriber, job, request_id):
