@@ -186,11 +186,31 @@ def test_empty_context_gives_zeros_and_bad_shapes_are_refused():
         paged_attention.paged_decode_attention(q, cache, tables, lens, 1.0, 8)
 
 
-def test_partitioning_only_when_the_grid_is_small():
+def test_partitioning_depends_on_the_context_length_only():
     choose = paged_attention.default_partition_size
-    assert choose(num_seqs=2, num_kv_heads=6, max_key_len=1500) == 512  # Whisper cross cache, small batch
-    assert choose(num_seqs=2, num_kv_heads=6, max_key_len=448) is None
-    assert choose(num_seqs=256, num_kv_heads=6, max_key_len=1500) is None
+    assert choose(max_key_len=1500) == 512  # a Whisper cross cache
+    assert choose(max_key_len=512) is None and choose(max_key_len=448) is None
+
+
+def test_a_sequence_decodes_to_the_same_bits_in_any_batch():
+    """Alone, in a batch, and padded to the tables' capacity (a CUDA graph's call): bitwise equal."""
+    num_heads, num_kv_heads, head_dim, block_size, k_lens = 4, 2, 16, 16, [700, 300, 1100, 512]
+    torch.manual_seed(9)
+    cache, tables, _, _ = paged_cache(k_lens, num_kv_heads, head_dim, block_size, torch.float32,
+                                      np.random.default_rng(9))
+    tables = torch.cat([tables, torch.zeros(len(k_lens), 40, dtype=tables.dtype)], 1)  # spare capacity
+    q = torch.randn(len(k_lens), num_heads, head_dim)
+    lens = torch.tensor(k_lens)
+
+    def decode(rows, max_key_len):
+        return paged_attention.paged_decode_attention(q[rows], cache, tables[rows], lens[rows], 0.25, block_size,
+                                                      max_key_len=max_key_len)
+
+    batch = decode(slice(None), max(k_lens))
+    padded = decode(slice(None), None)  # capacity: more (empty) partitions
+    assert torch.equal(batch, padded)
+    for i, n in enumerate(k_lens):
+        assert torch.equal(decode(slice(i, i + 1), n), batch[i : i + 1]), n  # 300, 512: one pass alone
 
 
 # -- the xformers backend's wiring, with a reference standing in for the CUDA flash op --

@@ -13,6 +13,13 @@ tile may span several pages. Long contexts are split into partitions of
 `partition_size` keys (flash-decoding) whose partial results a second kernel
 merges, so a few sequences with 1500-position cross caches still fill the GPU.
 
+Whether to partition depends on `max_key_len` alone, never on the batch: a
+sequence's partitions are then the same in any batch, partitions past its
+keys are empty and weigh exactly 0 in the merge, and a sequence short enough
+for one partition gets bit for bit the one-pass result. So a sequence decodes
+to the same bits alone, in any batch, and through a CUDA graph padded to the
+tables' capacity (batch invariance).
+
 Accumulation is fp32. fp16/bf16 K/V are upcast and multiplied with TF32 dots:
 q.k is exact (TF32 holds every fp16/bf16 value) and p.v rounds the
 probabilities to TF32, as precise as fp16. fp32 inputs use IEEE dots, so an
@@ -30,7 +37,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 TILE_N = 32  # keys per inner-loop step
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows and a 16-wide reduction dim
-_PARALLEL_PROGRAMS = 512  # below this many (seq, kv head) programs, long contexts are partitioned
 _DEFAULT_PARTITION = 512  # keys per partition when partitioning
 
 
@@ -130,11 +136,9 @@ def _merge_partitions_kernel(
              mask=d < HEAD_DIM)
 
 
-def default_partition_size(num_seqs: int, num_kv_heads: int, max_key_len: int) -> int | None:
-    """Partition only when the (seq, kv head) grid alone would leave the GPU idle."""
-    if max_key_len <= _DEFAULT_PARTITION or num_seqs * num_kv_heads >= _PARALLEL_PROGRAMS:
-        return None
-    return _DEFAULT_PARTITION
+def default_partition_size(max_key_len: int) -> int | None:
+    """Partition contexts longer than one partition; the batch plays no part (batch invariance)."""
+    return None if max_key_len <= _DEFAULT_PARTITION else _DEFAULT_PARTITION
 
 
 def paged_decode_attention(
@@ -160,7 +164,7 @@ def paged_decode_attention(
     if max_key_len is None:
         max_key_len = block_tables.shape[1] * block_size
     if partition_size == -1:
-        partition_size = default_partition_size(num_seqs, num_kv_heads, max_key_len)
+        partition_size = default_partition_size(max_key_len)
     if partition_size is not None and partition_size % TILE_N:
         raise ValueError(f"partition_size must be a multiple of {TILE_N}, got {partition_size}")
     num_partitions = 1 if partition_size is None else max(1, triton.cdiv(max_key_len, partition_size))
