@@ -222,8 +222,8 @@ class Transcriber:
         no_speech = out.no_speech_prob if out.no_speech_prob is not None else 0.0
         improbable = opts.logprob_threshold is not None and avg_logprob < opts.logprob_threshold
         silence = opts.no_speech_threshold is not None and no_speech > opts.no_speech_threshold
-        failed = (opts.compression_ratio_threshold is not None and ratio > opts.compression_ratio_threshold
-                  or improbable) and not (silence and improbable)  # silence: no use retrying hotter
+        looped = opts.compression_ratio_threshold is not None and ratio > opts.compression_ratio_threshold
+        failed = (looped or improbable) and not (silence and improbable)  # silence: no use retrying hotter
         if failed and job.temperature_index + 1 < len(opts.temperatures):
             job.temperature_index += 1
             return True

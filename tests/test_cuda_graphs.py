@@ -82,7 +82,7 @@ def test_a_step_fills_its_rows_and_pads_the_rest(n, expected_b):
     graphs = make_graphs()
     graphs.run(decode_batch(4, seed=0))  # leave real values in every row first
     batch = decode_batch(n, seed=n)
-    assert graphs.batch_size_for(n) == expected_b
+    assert graphs.batch_size_for(n) == expected_b and graphs.fits(batch)
     out = graphs.run(batch)
     assert out.shape[0] == n  # only the real rows come back
     expected = np.stack([batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
@@ -106,6 +106,11 @@ def test_limits_are_errors_that_name_them():
     graphs = make_graphs(max_blocks=2)
     wide = decode_batch(2, seed=1)
     wide.block_tables = pad_rows([[1, 2, 3], [4]])
+    assert not graphs.fits(wide) and not graphs.fits(decode_batch(5, seed=2))  # the runner decodes these eagerly
+    wide_cross = decode_batch(2, seed=1)
+    wide_cross.block_tables = pad_rows([[1], [2]])
+    wide_cross.cross_block_tables = pad_rows([[1] * 6, [2]])
+    assert not graphs.fits(wide_cross)
     with pytest.raises(ValueError, match="self block table of 3 blocks exceeds the graph capacity of 2"):
         graphs.run(wide)
     assert graphs.batch_size_for(5) is None

@@ -78,7 +78,11 @@ class LLMEngine:
         start = time.perf_counter()
         encoder_positions = (self.model.encoder_num_positions(loaded.max_encoder_len)
                              if self.model.is_encoder_decoder else None)
-        used = self.runner.use_decode_graphs(sizes, self.max_decoder_len, encoder_positions)
+        try:
+            used = self.runner.use_decode_graphs(sizes, self.max_decoder_len, encoder_positions)
+        except Exception as e:
+            raise RuntimeError(f"capturing decode in CUDA graphs failed ({type(e).__name__}: {e}); "
+                               "enforce_eager=True (CLI --enforce-eager) runs decode without them") from e
         logger.info("CUDA graphs: decode captured at %d batch sizes (1..%d) in %.1f s, %.0f MiB; "
                     "larger batches run eagerly (enforce_eager=True turns graphs off)",
                     len(sizes), sizes[-1], time.perf_counter() - start, used / (1 << 20))

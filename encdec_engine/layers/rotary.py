@@ -27,11 +27,16 @@ class RotaryEmbedding:
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
         self.inv_freq = inv_freq.float().cpu()  # [head_dim // 2]
         self.attention_scaling = attention_scaling
+        # The copy on the positions' device, made on first use: a per-step host-to-device copy
+        # would sync every decode step and cannot be captured in a CUDA graph.
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
 
     def __call__(
         self, positions: torch.Tensor, dtype: torch.dtype  # positions: [num_tokens]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, 1, head_dim]
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * inv_freq[None, :]  # [num_tokens, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling

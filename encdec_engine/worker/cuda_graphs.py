@@ -17,7 +17,8 @@ touches nothing: slot -1 (the store kernel skips it) and key length 0 (the
 decode kernel reads no key and writes zeros). Block-table columns past a
 sequence's length are never read, so they need no clearing. The paged decode
 kernel is called with `max_key_len` = the tables' capacity, which fixes its
-partition count: the grid depends on b alone.
+partition count: the grid depends on b alone. A step whose batch or block
+tables exceed the captured sizes runs eagerly (`fits`).
 
 Only backends whose decode takes no host-side decisions from the batch can be
 captured (`supports_cuda_graphs`): the xformers backend (Triton store and
@@ -38,6 +39,10 @@ from encdec_engine.worker.input_prep import DecodeBatch
 logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH_SIZE = 256  # larger decode batches run eagerly: launches are amortized there
+# Keys a captured step reads at most, per cache: the tables' capacity sets the decode kernel's
+# partition count, so a 128k-position model would launch mostly empty partitions. Steps with a
+# longer sequence run eagerly (vLLM's max_seq_len_to_capture).
+MAX_GRAPH_CONTEXT = 8192
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -102,6 +107,12 @@ class DecodeGraphs:
         """The smallest captured batch size that holds `num_seqs` sequences (None: run eagerly)."""
         return next((b for b in self.batch_sizes if b >= num_seqs), None)
 
+    def fits(self, batch: DecodeBatch) -> bool:
+        """Whether the static buffers hold this step: its sequences and its block tables."""
+        if batch.num_seqs > self.batch_sizes[-1] or batch.block_tables.shape[1] > self.block_tables.shape[1]:
+            return False
+        return not self.has_encoder or batch.cross_block_tables.shape[1] <= self.cross_block_tables.shape[1]
+
     @torch.inference_mode()
     def capture(self) -> int:
         """Record one graph per batch size, largest first, all in one memory pool; returns
@@ -109,18 +120,25 @@ class DecodeGraphs:
 
         The buffers hold padding only (every row skipped), so the warm-up and
         captured passes store nothing in the KV cache."""
-        reserved = torch.cuda.memory_reserved(self.device)
-        pool = None
-        for b in reversed(self.batch_sizes):
-            self._forward(b)  # warm-up outside the capture: Triton compiles, cuBLAS picks its kernels
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(b)
-            pool = graph.pool()
-            self.graphs[b] = (graph, out)
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.memory_reserved(self.device) - reserved
+        with torch.cuda.device(self.device):
+            reserved = torch.cuda.memory_reserved()
+            side = torch.cuda.Stream()
+            pool = None
+            for b in reversed(self.batch_sizes):
+                # Warm-up outside the capture, on the capture's stream: Triton compiles, cuBLAS
+                # makes its handles and picks its kernels.
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._forward(b)
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=side):
+                    out = self._forward(b)
+                pool = graph.pool()
+                self.graphs[b] = (graph, out)
+            torch.cuda.synchronize()
+            return torch.cuda.memory_reserved() - reserved
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:  # [n, hidden] of the n sequences
         n = batch.num_seqs
@@ -131,7 +149,7 @@ class DecodeGraphs:
         if b in self.graphs:
             graph, out = self.graphs[b]
             graph.replay()
-        else:
+        else:  # not captured (use_decode_graphs(capture=False): the CPU tests of this padded path)
             out = self._forward(b)
         return out[:n]
 

@@ -27,7 +27,7 @@ from encdec_engine.layers.logits_processors import SamplingRow
 from encdec_engine.layers.sampler import SampleResult, Sampler, beam_log_probs
 from encdec_engine.models.interface import EncoderInputs
 from encdec_engine.worker.cache_engine import CacheEngine
-from encdec_engine.worker.cuda_graphs import DecodeGraphs
+from encdec_engine.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs
 from encdec_engine.worker.input_prep import DecodeBatch, TokenArrays, pad_rows, prepare_token_arrays
 
 
@@ -73,10 +73,13 @@ class ModelRunner:
         """Run decode batches of up to max(batch_sizes) sequences through static, padded buffers,
         captured as CUDA graphs (larger batches stay eager). Returns the device memory the
         capture took. `capture=False` runs the same padded batches eagerly (the CPU tests)."""
+        def blocks(positions: int) -> int:
+            return -(-min(positions, MAX_GRAPH_CONTEXT) // self.block_size)
+
         graphs = DecodeGraphs(
             self.model, self.backend, self.cache.kv_caches, self.block_size, batch_sizes,
-            max_blocks=-(-max_decoder_len // self.block_size),
-            max_cross_blocks=None if max_encoder_positions is None else -(-max_encoder_positions // self.block_size),
+            max_blocks=blocks(max_decoder_len),
+            max_cross_blocks=None if max_encoder_positions is None else blocks(max_encoder_positions),
             device=self.device)
         used = graphs.capture() if capture else 0
         self.graphs = graphs
@@ -198,15 +201,15 @@ class ModelRunner:
             no_speech_rows = inp.no_speech_rows
         else:
             batch = self.decode_batch(rows)
-            if self.graphs is not None and self.graphs.batch_size_for(batch.num_seqs) is not None:
+            if self.graphs is not None and self.graphs.fits(batch):
                 hidden = self.graphs.run(batch)
                 self.graph_steps += 1
             else:
                 hidden = self._forward(self.prepare_decode(batch))
-        logits = self.model.compute_logits(hidden)
+        # The probes get their own logits call: the sampled rows' matmul keeps its shape (and its bits).
+        logits = self.model.compute_logits(hidden[: len(rows)])
         if no_speech_rows:
-            logits, probes = logits[: len(rows)], logits[len(rows) :]
-            self._record_no_speech([rows[i] for i in no_speech_rows], probes)
+            self._record_no_speech([rows[i] for i in no_speech_rows], self.model.compute_logits(hidden[len(rows) :]))
         sampling = [self._sampling_row(r) for r in rows]
         results: list[StepResult] = [None] * len(rows)
         beam = [i for i, r in enumerate(rows) if r.group.sampling_params.use_beam_search]
