@@ -158,14 +158,18 @@ def test_paged_decode_matches_torch_backend_and_naive(case, dtype):
     torch.testing.assert_close(out, backend.forward(q, None, None, cache, view, scale), **TOLERANCE[dtype])
 
 
+def spare_capacity_case(k_lens, block_size: int, spare_columns: int, seed: int, head_dim: int = 16):
+    """fp32 cache, tables with `spare_columns` unused columns (a CUDA graph's capacity), 4 query heads on 2."""
+    torch.manual_seed(seed)
+    cache, tables, ks, vs = paged_cache(k_lens, 2, head_dim, block_size, torch.float32, np.random.default_rng(seed))
+    tables = torch.cat([tables, torch.zeros(len(k_lens), spare_columns, dtype=tables.dtype)], 1)
+    return cache, tables, ks, vs, torch.randn(len(k_lens), 4, head_dim)
+
+
 @pytest.mark.parametrize("max_key_len", [None, 96])  # None: the tables' capacity (CUDA-graph style)
 def test_split_k_partitions_merge_exactly(max_key_len):
-    num_heads, num_kv_heads, head_dim, block_size, k_lens = 4, 2, 16, 8, [1, 40, 96, 65]
-    torch.manual_seed(7)
-    cache, tables, ks, vs = paged_cache(k_lens, num_kv_heads, head_dim, block_size, torch.float32,
-                                        np.random.default_rng(7))
-    tables = torch.cat([tables, torch.zeros(len(k_lens), 4, dtype=tables.dtype)], 1)  # spare capacity
-    q = torch.randn(len(k_lens), num_heads, head_dim)
+    head_dim, block_size, k_lens = 16, 8, [1, 40, 96, 65]
+    cache, tables, ks, vs, q = spare_capacity_case(k_lens, block_size, spare_columns=4, seed=7)
     args = (q, cache, tables, torch.tensor(k_lens, dtype=torch.int32), head_dim**-0.5, block_size)
     one_pass = paged_attention.paged_decode_attention(*args, max_key_len=max_key_len, partition_size=None)
     split = paged_attention.paged_decode_attention(*args, max_key_len=max_key_len, partition_size=32)
@@ -194,12 +198,8 @@ def test_partitioning_depends_on_the_context_length_only():
 
 def test_a_sequence_decodes_to_the_same_bits_in_any_batch():
     """Alone, in a batch, and padded to the tables' capacity (a CUDA graph's call): bitwise equal."""
-    num_heads, num_kv_heads, head_dim, block_size, k_lens = 4, 2, 16, 16, [700, 300, 1100, 512]
-    torch.manual_seed(9)
-    cache, tables, _, _ = paged_cache(k_lens, num_kv_heads, head_dim, block_size, torch.float32,
-                                      np.random.default_rng(9))
-    tables = torch.cat([tables, torch.zeros(len(k_lens), 40, dtype=tables.dtype)], 1)  # spare capacity
-    q = torch.randn(len(k_lens), num_heads, head_dim)
+    block_size, k_lens = 16, [700, 300, 1100, 512]
+    cache, tables, _, _, q = spare_capacity_case(k_lens, block_size, spare_columns=40, seed=9)
     lens = torch.tensor(k_lens)
 
     def decode(rows, max_key_len):
