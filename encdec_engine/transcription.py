@@ -219,7 +219,7 @@ class Transcriber:
         ratio = compression_ratio(text)
         temperature = self.options.temperatures[job.temperature_index]
         opts = self.options
-        no_speech = out.no_speech_prob if out.no_speech_prob is not None else 0.0
+        no_speech = out.no_speech_prob  # every window request asks for it (_params)
         improbable = opts.logprob_threshold is not None and avg_logprob < opts.logprob_threshold
         silence = opts.no_speech_threshold is not None and no_speech > opts.no_speech_threshold
         looped = opts.compression_ratio_threshold is not None and ratio > opts.compression_ratio_threshold

@@ -59,7 +59,7 @@ async def _audio_request(request: Request, task: str) -> Response:
     # A stream sends tokens as they are decoded, so nothing it sent may be retried or skipped after.
     options = TranscribeOptions(language=getattr(req, "language", None), task=task, initial_prompt=req.prompt,
                                 timestamps=not stream, temperatures=temperatures,
-                                **({"no_speech_threshold": None} if stream else {}))
+                                no_speech_threshold=None if stream else TranscribeOptions.no_speech_threshold)
     try:
         transcriber = Transcriber(st.engine.engine, options)
         transcriber.tokens.decoder_prompt(options.language, task)  # language and task on this checkpoint

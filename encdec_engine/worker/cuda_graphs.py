@@ -28,15 +28,11 @@ CPU tests check it under the Triton interpreter.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 from encdec_engine.worker.input_prep import DecodeBatch
-
-logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH_SIZE = 256  # larger decode batches run eagerly: launches are amortized there
 # Keys a captured step reads at most, per cache: the tables' capacity sets the decode kernel's
@@ -109,9 +105,20 @@ class DecodeGraphs:
 
     def fits(self, batch: DecodeBatch) -> bool:
         """Whether the static buffers hold this step: its sequences and its block tables."""
-        if batch.num_seqs > self.batch_sizes[-1] or batch.block_tables.shape[1] > self.block_tables.shape[1]:
-            return False
-        return not self.has_encoder or batch.cross_block_tables.shape[1] <= self.cross_block_tables.shape[1]
+        return self._misfit(batch) is None
+
+    def _misfit(self, batch: DecodeBatch) -> str | None:
+        """Why the static buffers cannot hold this step (None: they can)."""
+        if batch.num_seqs > self.batch_sizes[-1]:
+            return f"{batch.num_seqs} sequences exceed the largest graph batch size {self.batch_sizes[-1]}"
+        tables = [("self", batch.block_tables, self.block_tables)]
+        if self.has_encoder:
+            tables.append(("cross", batch.cross_block_tables, self.cross_block_tables))
+        for name, table, buffer in tables:
+            if table.shape[1] > buffer.shape[1]:
+                return (f"a {name} block table of {table.shape[1]} blocks exceeds the graph capacity of "
+                        f"{buffer.shape[1]} blocks")
+        return None
 
     @torch.inference_mode()
     def capture(self) -> int:
@@ -141,10 +148,11 @@ class DecodeGraphs:
             return torch.cuda.memory_reserved() - reserved
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:  # [n, hidden] of the n sequences
+        misfit = self._misfit(batch)
+        if misfit is not None:
+            raise ValueError(misfit)
         n = batch.num_seqs
         b = self.batch_size_for(n)
-        if b is None:
-            raise ValueError(f"{n} sequences exceed the largest graph batch size {self.batch_sizes[-1]}")
         self._load(batch, n, b)
         if b in self.graphs:
             graph, out = self.graphs[b]
@@ -162,18 +170,15 @@ class DecodeGraphs:
         self._copy_rows(self.positions, batch.positions, n, b, 0)
         self._copy_rows(self.slot_mapping, batch.slot_mapping, n, b, -1)
         self._copy_rows(self.seq_lens, batch.seq_lens, n, b, 0)
-        self._copy_table(self.block_tables, batch.block_tables, "self")
+        self._copy_table(self.block_tables, batch.block_tables)
         if self.has_encoder:
             self._copy_rows(self.encoder_lens, batch.encoder_lens, n, b, 0)
-            self._copy_table(self.cross_block_tables, batch.cross_block_tables, "cross")
+            self._copy_table(self.cross_block_tables, batch.cross_block_tables)
 
     def _copy_rows(self, buffer: torch.Tensor, values: np.ndarray, n: int, b: int, pad: int) -> None:
         buffer[:n].copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)), non_blocking=True)
         buffer[n:b].fill_(pad)
 
-    def _copy_table(self, buffer: torch.Tensor, table: np.ndarray, name: str) -> None:
-        n, width = table.shape
-        if width > buffer.shape[1]:
-            raise ValueError(f"a {name} block table of {width} blocks exceeds the graph capacity of "
-                             f"{buffer.shape[1]} blocks")
+    def _copy_table(self, buffer: torch.Tensor, table: np.ndarray) -> None:
+        n, width = table.shape  # width <= the buffer's: run() checked (_misfit)
         buffer[:n, :width].copy_(torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64)), non_blocking=True)

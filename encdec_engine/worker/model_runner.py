@@ -225,7 +225,7 @@ class ModelRunner:
                 results[i] = [next(samples) for _ in range(k)]
         return list(zip(rows, results))
 
-    def _forward(self, inp: ModelInput) -> torch.Tensor:  # [num_seqs, hidden] at the sampled tokens
+    def _forward(self, inp: ModelInput) -> torch.Tensor:  # [len(logits_indices), hidden]
         self.backend.plan(inp.metadata)
         encoder_hidden = None
         if inp.encoder_inputs is not None:
