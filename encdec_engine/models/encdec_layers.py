@@ -14,6 +14,7 @@ from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.layer import Attention
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.layers.activation import get_activation
+from encdec_engine.models.interface import KVCacheSpec
 
 
 class EncDecAttention(nn.Module):
@@ -93,3 +94,9 @@ class EncDecLayer(nn.Module):
             hidden = self._residual(hidden, self.encoder_attn_layer_norm,
                                     lambda h: self.encoder_attn(h, kv_cache, metadata, encoder_hidden))
         return self._residual(hidden, self.final_layer_norm, lambda h: self.fc2(self.act(self.fc1(h))))
+
+
+def decoder_kv_cache_spec(config) -> KVCacheSpec:
+    """The paged cache of a BART-style config (BART, Whisper): one per decoder layer, self and cross."""
+    heads = config.decoder_attention_heads
+    return KVCacheSpec(config.decoder_layers, heads, config.d_model // heads)

@@ -89,6 +89,7 @@ class GPT2Block(nn.Module):
 
 
 class GPT2LMHeadModel(DecoderOnlyModel, nn.Module):
+    token_embedding = "wte"
 
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
@@ -101,10 +102,6 @@ class GPT2LMHeadModel(DecoderOnlyModel, nn.Module):
         self.ln_f = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
-
-    @property
-    def max_decoder_len(self) -> int:
-        return self.config.max_position_embeddings  # n_positions
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -123,10 +120,6 @@ class GPT2LMHeadModel(DecoderOnlyModel, nn.Module):
         for i, block in enumerate(self.h):
             hidden = block(hidden, kv_caches[i] if kv_caches else None, metadata)
         return self.ln_f(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from encdec_engine.attention.metadata import AttentionMetadata
 
@@ -57,6 +58,15 @@ class DecoderOnlyModel:
 
     is_encoder_decoder = False
     max_encoder_len = 0
+    token_embedding: str  # attribute name of the input embedding, the output head when `lm_head` is None (tied)
+
+    @property
+    def max_decoder_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
+        head = getattr(self, self.token_embedding) if self.lm_head is None else self.lm_head
+        return nn.functional.linear(hidden, head.weight)
 
     def encoder_num_positions(self, num_inputs: int) -> int:
         raise ValueError(f"{type(self).__name__} is decoder-only: it has no encoder")

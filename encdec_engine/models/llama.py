@@ -118,6 +118,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(DecoderOnlyModel, nn.Module):
+    token_embedding = "embed_tokens"
 
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
@@ -131,10 +132,6 @@ class LlamaForCausalLM(DecoderOnlyModel, nn.Module):
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                        bias=False)
-
-    @property
-    def max_decoder_len(self) -> int:
-        return self.config.max_position_embeddings
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -153,10 +150,6 @@ class LlamaForCausalLM(DecoderOnlyModel, nn.Module):
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, kv_caches[i] if kv_caches else None, metadata)
         return self.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)

@@ -18,7 +18,7 @@ from torch import nn
 
 from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.metadata import AttentionMetadata
-from encdec_engine.models.encdec_layers import EncDecLayer
+from encdec_engine.models.encdec_layers import EncDecLayer, decoder_kv_cache_spec
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
 from encdec_engine.models.weights import WeightLoader
 
@@ -80,8 +80,7 @@ class WhisperForConditionalGeneration(nn.Module):
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
-        heads = self.config.decoder_attention_heads
-        return KVCacheSpec(self.config.decoder_layers, heads, self.config.d_model // heads)
+        return decoder_kv_cache_spec(self.config)
 
     def encoder_num_positions(self, num_inputs: int) -> int:
         return self.config.max_source_positions  # every window is 30 s: 3000 frames -> 1500 positions
