@@ -114,3 +114,14 @@ def make_view(q_lens, k_lens, causal: bool, **kw):
     from encdec_engine.attention.metadata import AttentionView
 
     return AttentionView.from_arrays(np.concatenate([[0], np.cumsum(q_lens)]), k_lens, causal, **kw)
+
+
+def assert_preemption_keeps_outputs(make_llm, path, prompts, params, **tight) -> None:
+    """An engine built with `tight` (a pool too small for the batch; swap_space_gb to swap) preempts,
+    and still gives the tokens of a roomy pool."""
+    roomy = make_llm(path, num_kv_blocks=400).generate(prompts, params, use_tqdm=False)
+    squeezed_llm = make_llm(path, **tight)
+    before = squeezed_llm.engine.scheduler.num_preemptions
+    squeezed = squeezed_llm.generate(prompts, params, use_tqdm=False)
+    assert squeezed_llm.engine.scheduler.num_preemptions > before, "the small pool should force preemption"
+    assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]

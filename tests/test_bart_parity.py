@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import hf_greedy, mixed_prompts
+from helpers import assert_preemption_keeps_outputs, hf_greedy, mixed_prompts
 from transformers import BartForConditionalGeneration
 
 from encdec_engine import SamplingParams
@@ -49,23 +49,14 @@ def test_default_decoder_prompt_and_explicit_prefix(bart_path, make_llm):
 def test_same_outputs_under_memory_pressure(bart_path, make_llm):
     prompts = mixed_prompts(make_llm(bart_path, num_kv_blocks=400).get_tokenizer(), n=12, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    roomy = make_llm(bart_path, num_kv_blocks=400).generate(prompts, params, use_tqdm=False)
-    tight = make_llm(bart_path, num_kv_blocks=28, block_size=4)
-    before = tight.engine.scheduler.num_preemptions
-    squeezed = tight.generate(prompts, params, use_tqdm=False)
-    assert tight.engine.scheduler.num_preemptions > before, "the small pool should force preemption"
-    assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]
+    assert_preemption_keeps_outputs(make_llm, bart_path, prompts, params, num_kv_blocks=28, block_size=4)
 
 
 def test_same_outputs_with_swap_preemption(bart_path, make_llm):
     prompts = mixed_prompts(make_llm(bart_path, num_kv_blocks=400).get_tokenizer(), n=10, seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    roomy = make_llm(bart_path, num_kv_blocks=400).generate(prompts, params, use_tqdm=False)
-    swapping = make_llm(bart_path, num_kv_blocks=28, block_size=4, swap_space_gb=0.001)
-    before = swapping.engine.scheduler.num_preemptions
-    outs = swapping.generate(prompts, params, use_tqdm=False)
-    assert swapping.engine.scheduler.num_preemptions > before
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    assert_preemption_keeps_outputs(make_llm, bart_path, prompts, params, num_kv_blocks=28, block_size=4,
+                                    swap_space_gb=0.001)
 
 
 def test_one_at_a_time_equals_batched(bart_path, make_llm):

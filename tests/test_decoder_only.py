@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import corpus, make_bart_tokenizer
+from helpers import assert_preemption_keeps_outputs, corpus, make_bart_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from encdec_engine import SamplingParams
@@ -122,12 +122,7 @@ def test_same_outputs_under_memory_pressure(paths, make_llm):
     # Up to 40 + 24 tokens = 16 blocks each: every request fits the pool alone, not all at once.
     prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(n)]} for n in (1, 3, 8, 17, 30, 40, 5, 12, 25, 2)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    roomy = make_llm(path, num_kv_blocks=400).generate(prompts, params, use_tqdm=False)
-    tight = make_llm(path, num_kv_blocks=24, block_size=4)
-    before = tight.engine.scheduler.num_preemptions
-    squeezed = tight.generate(prompts, params, use_tqdm=False)
-    assert tight.engine.scheduler.num_preemptions > before, "the small pool should force preemption"
-    assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]
+    assert_preemption_keeps_outputs(make_llm, path, prompts, params, num_kv_blocks=24, block_size=4)
 
 
 def test_seeded_sampling_with_n_samples(paths, make_llm):
