@@ -124,4 +124,4 @@ def assert_preemption_keeps_outputs(make_llm, path, prompts, params, **tight) ->
     before = squeezed_llm.engine.scheduler.num_preemptions
     squeezed = squeezed_llm.generate(prompts, params, use_tqdm=False)
     assert squeezed_llm.engine.scheduler.num_preemptions > before, "the small pool should force preemption"
-    assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]
+    assert [[c.token_ids for c in o.outputs] for o in squeezed] == [[c.token_ids for c in o.outputs] for o in roomy]

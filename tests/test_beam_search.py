@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import mixed_prompts
+from helpers import assert_preemption_keeps_outputs, mixed_prompts
 from transformers import BartForConditionalGeneration
 
 from encdec_engine import SamplingParams
@@ -94,3 +94,49 @@ def test_seeded_n4_sampling_is_reproducible(bart_path, make_llm):
     b = llm.generate(["The rain in spain"], params, use_tqdm=False)[0]
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+
+
+@pytest.mark.parametrize("params,blocks", [
+    (SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True), 40),
+    (SamplingParams(num_beams=3, n=2, max_tokens=16, temperature=0.0, ignore_eos=True), 28),  # beams share more
+], ids=["n2", "beams3"])
+@pytest.mark.parametrize("swap", [0.0, 0.001], ids=["recompute", "swap"])
+def test_forked_groups_keep_their_outputs_when_preempted(params, blocks, swap, bart_path, make_llm):
+    prompts = ["The rain in spain falls mainly", "On the plain it rains", "Which is plain to see"]
+    assert_preemption_keeps_outputs(make_llm, bart_path, prompts, params, num_kv_blocks=blocks, block_size=4,
+                                    swap_space_gb=swap)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=40, ignore_eos=True),
+                                    SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+                                    SamplingParams(num_beams=3, max_tokens=40, temperature=0.0, ignore_eos=True)],
+                         ids=["n2", "greedy", "beams3"])
+@pytest.mark.parametrize("swap", [0.0, 0.001], ids=["recompute", "swap"])
+def test_a_request_that_outgrows_the_pool_ends_as_length_alone(params, swap, bart_path, make_llm):
+    """It keeps what it generated (a prefix of the roomy run's output) and the batch goes on."""
+    prompts = ["The rain in spain falls", "On the plain"]
+    short = SamplingParams(max_tokens=3, temperature=0.0)
+    roomy = make_llm(bart_path, num_kv_blocks=400).generate(prompts, [params, short], use_tqdm=False)
+    small = make_llm(bart_path, num_kv_blocks=20, block_size=4, swap_space_gb=swap)
+    outs = small.generate(prompts, [params, short], use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == roomy[1].outputs[0].token_ids
+    capped = outs[0].outputs
+    assert capped and all(c.finish_reason == "length" for c in capped)
+    assert all(0 < len(c.token_ids) < params.max_tokens for c in capped)
+    if not params.use_beam_search:
+        for c, r in zip(capped, roomy[0].outputs):
+            assert c.token_ids == r.token_ids[: len(c.token_ids)]
+    assert small.engine.num_free_blocks() == small.engine.num_total_blocks()
+
+
+def test_a_beam_request_keeps_its_id_until_it_finishes(bart_path, make_llm):
+    engine = make_llm(bart_path, num_kv_blocks=600).engine
+    engine.add_request("x", "The rain in spain", SamplingParams(num_beams=3, max_tokens=10))
+    engine.step()
+    engine.step()
+    assert "x" in engine.groups
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", "On the plain", SamplingParams(temperature=0.0))
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[-1].finished and "x" not in engine.groups

@@ -76,11 +76,11 @@ def test_request_larger_than_pool_is_ignored_not_stuck():
 def test_preemption_by_recompute_frees_self_and_cross():
     bm = BlockManager(BS, 6)  # each group: 1 self + 2 cross blocks
     s = Scheduler(SchedulerConfig(preemption_mode=PreemptionMode.RECOMPUTE), bm)
-    a, b = make_group("a", dec_len=3), make_group("b", dec_len=3)
+    a, b = make_group("a", dec_len=4), make_group("b", dec_len=4)
     s.add(a)
     s.add(b)
     meta, _ = s.schedule()
-    fake_step(s, meta)  # both now have 4 tokens: next decode needs a 2nd self block each
+    fake_step(s, meta)  # both now have 5 tokens: position 4 needs a 2nd self block each
     assert bm.get_num_free_device_blocks() == 0
     meta, out = s.schedule()
     assert out.num_preempted == 1 and [m.request_id for m in meta] == ["a"]
@@ -90,7 +90,7 @@ def test_preemption_by_recompute_frees_self_and_cross():
     finish(a)
     s.free_finished()
     meta, out = s.schedule()  # b is recomputed: prompt + the token it had generated
-    assert out.is_prompt and meta[0].request_id == "b" and b.seqs[0].num_new_tokens == 4
+    assert out.is_prompt and meta[0].request_id == "b" and b.seqs[0].num_new_tokens == 5
     fake_step(s, meta)
     finish(b)
     s.free_finished()
@@ -100,7 +100,7 @@ def test_preemption_by_recompute_frees_self_and_cross():
 def test_preemption_by_swap_and_resume_in_order():
     bm = BlockManager(BS, 6, num_swap_blocks=12)
     s = Scheduler(SchedulerConfig(), bm)
-    a, b = make_group("a", dec_len=3), make_group("b", dec_len=3)
+    a, b = make_group("a", dec_len=4), make_group("b", dec_len=4)
     s.add(a)
     s.add(b)
     fake_step(s, s.schedule()[0])
@@ -133,3 +133,18 @@ def test_abort_frees_self_and_cross_at_once():
     assert s.abort("missing") is None
     s.abort("b")
     assert bm.get_num_free_device_blocks() == 32 and not s.has_unfinished()
+
+
+def test_decode_takes_a_block_only_at_a_block_boundary():
+    bm = BlockManager(BS, 3)  # 1 self + 2 cross: the pool is full after prefill
+    s = Scheduler(SchedulerConfig(preemption_mode=PreemptionMode.RECOMPUTE), bm)
+    g = make_group("g", dec_len=2)
+    s.add(g)
+    fake_step(s, s.schedule()[0])  # positions 2 and 3 still land in the first block
+    for _ in range(2):
+        meta, out = s.schedule()
+        assert [m.request_id for m in meta] == ["g"] and not out.num_preempted and not out.ignored
+        fake_step(s, meta)
+    meta, out = s.schedule()  # position 4 needs a block the pool can never give: ended, not stuck
+    assert not meta and out.ignored == [g] and g.seqs[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED
+    assert not s.has_unfinished() and bm.get_num_free_device_blocks() == 3

@@ -105,6 +105,21 @@ class BeamState:
         picked = next_idx.tolist()
         return BeamStep([int(beam_idx[i]) for i in picked], [int(token_ids[i]) for i in picked], done)
 
+    def cap(self, generated: list[list[int]]) -> None:
+        """End the search early (the request outgrew the KV pool): the running beams
+        become hypotheses scored at their current length, as at the length limit."""
+        for tokens, score in zip(generated, self.running_scores.tolist()):
+            if tokens and score > _NEG:
+                self._keep_best(score / len(tokens) ** self.length_penalty, tokens)
+
+    def _keep_best(self, score: float, tokens: list[int]) -> None:
+        worst = int(torch.argmin(self.finished_scores))
+        if score > float(self.finished_scores[worst]):
+            self.finished_scores[worst], self.finished_tokens[worst], self.finished[worst] = score, tokens, True
+            order = torch.argsort(self.finished_scores, descending=True, stable=True)
+            self.finished_scores, self.finished = self.finished_scores[order], self.finished[order]
+            self.finished_tokens = [self.finished_tokens[i] for i in order.tolist()]
+
     def best(self, n: int) -> list[tuple[list[int], float]]:
         """The n best finished hypotheses (tokens, normalized score), best first."""
         return [(self.finished_tokens[i], float(self.finished_scores[i])) for i in range(min(n, self.num_beams))]

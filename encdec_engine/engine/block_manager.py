@@ -223,9 +223,24 @@ class BlockManager:
             table.append(block)
         return table
 
+    def append_need(self, group: SequenceGroup) -> int:
+        """Blocks `append_slots` may take for the running sequences: a new block at a
+        block boundary, a copy where the receiving block is shared (an upper bound:
+        the last of the sharers writes in place)."""
+        need = 0
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            table = self.block_tables[seq.seq_id]
+            need += max(0, blocks_for(len(seq), self.block_size) - len(table))
+            idx = seq.data.num_computed_tokens // self.block_size
+            need += idx < len(table) and self.device.ref_count(table[idx]) > 1
+        return need
+
     def can_append_slots(self, group: SequenceGroup) -> bool:
-        # Worst case: each running sequence needs one new (or copied) block.
-        return len(group.get_seqs(SequenceStatus.RUNNING)) <= self.device.num_free
+        return self.append_need(group) <= self.device.num_free
+
+    def can_ever_append_slots(self, group: SequenceGroup) -> bool:
+        """False when the group's next step needs more blocks than the whole pool, even empty of others."""
+        return self.group_blocks(group) + self.append_need(group) <= self.device.num_blocks - self.watermark_blocks
 
     def append_slots(self, seq: Sequence) -> tuple[int, int] | None:
         """Make room for the sequence's uncached tokens.

@@ -144,8 +144,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         metadata, out = self.scheduler.schedule()
         outputs = [self._finish_ignored(g) for g in out.ignored]
-        self.cache_engine.swap_out(out.blocks_to_swap_out)
+        # Swap-ins were decided before this step's preemptions: their swap blocks may be handed
+        # to a swap-out of the same step (and a group may go in and out again), so they go first.
         self.cache_engine.swap_in(out.blocks_to_swap_in)
+        self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.copy(out.blocks_to_copy)
         if out.is_empty:
             return outputs
@@ -179,6 +181,17 @@ class LLMEngine:
             outputs.append(self._output(group))
         return outputs
 
+    def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
+        logger.warning("request %s needs more KV blocks than the pool's %d (or more prefill positions than "
+                       "max_num_batched_tokens); it ends with finish_reason 'length' after %d tokens",
+                       group.request_id, self.block_manager.num_total_device_blocks,
+                       max(len(s.output_token_ids) for s in group.seqs))
+        if group.beam is not None:
+            group.beam.cap([s.output_token_ids for s in group.seqs])
+        group.finished_time = time.monotonic()
+        self.groups.pop(group.request_id, None)
+        return self._output(group)
+
     def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence that shares the parent's tokens and KV blocks (copy-on-write)."""
         child = parent.fork(next(self._seq_ids))
@@ -207,8 +220,6 @@ class LLMEngine:
             child.append_token(token, 0.0, None)
             if step.done:
                 child.status = SequenceStatus.FINISHED_STOPPED
-        self.groups.pop(group.request_id, None)
-        return self._output(group)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         token = seq.output_token_ids[-1]

@@ -42,7 +42,7 @@ class SchedulerOutput:
     blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
     blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    ignored: list[SequenceGroup] = field(default_factory=list)  # can never fit: finished with an error
+    ignored: list[SequenceGroup] = field(default_factory=list)  # can never fit the pool: finished as "length"
     num_preempted: int = 0
 
     @property
@@ -110,9 +110,7 @@ class Scheduler:
             status = self.block_manager.can_allocate(group)
             if status == AllocStatus.NEVER or cost > self.config.max_num_batched_tokens:
                 self.waiting.popleft()
-                for seq in group.unfinished_seqs():
-                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                out.ignored.append(group)
+                self._ignore(group, out)
                 continue
             n = group.num_unfinished_seqs()
             if (
@@ -144,6 +142,9 @@ class Scheduler:
             if num_seqs + n > self.config.max_num_seqs:
                 running.append(group)  # over the sequence budget: waits for the next step
                 continue
+            if not self.block_manager.can_ever_append_slots(group):
+                self._ignore(group, out)  # it has outgrown the pool: nothing to preempt would help
+                continue
             while not self.block_manager.can_append_slots(group):
                 # Preempt the newest group; if that is this one, stop here.
                 victim = queue.pop() if queue else group
@@ -165,13 +166,25 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput) -> None:
         while self.swapped:
             group = self.swapped[0]
-            if self.block_manager.can_swap_in(group) != AllocStatus.OK:
+            status = self.block_manager.can_swap_in(group)
+            if status == AllocStatus.NEVER:
+                self.swapped.popleft()
+                self._ignore(group, out)
+                continue
+            if status == AllocStatus.LATER:
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.update(self.block_manager.swap_in(group))
             for seq in group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
+
+    def _ignore(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """End a group that can never fit the pool ("length": it keeps the tokens it has)."""
+        for seq in group.unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        self.block_manager.free_group(group)
+        out.ignored.append(group)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
