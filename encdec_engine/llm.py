@@ -122,11 +122,13 @@ def summarization_params(engine: LLMEngine, **overrides) -> SamplingParams:
     EOS forced by processors; HF's max_length/min_length count that start token.
     """
     gc = engine.generation_config
-    max_length = getattr(gc, "max_length", None) or 142
+    # HF: max/min_new_tokens win; else max/min_length count the start token; else 20 new tokens.
+    max_new = getattr(gc, "max_new_tokens", None) or max(1, (getattr(gc, "max_length", None) or 21) - 1)
+    min_new = getattr(gc, "min_new_tokens", None) or max(0, (getattr(gc, "min_length", None) or 0) - 1)
     fields = dict(
         temperature=0.0,
-        max_tokens=max(1, max_length - 1),
-        min_tokens=max(0, (getattr(gc, "min_length", 0) or 0) - 1),
+        max_tokens=max_new,
+        min_tokens=min(min_new, max_new),
         no_repeat_ngram_size=getattr(gc, "no_repeat_ngram_size", 0) or 0,
         repetition_penalty=getattr(gc, "repetition_penalty", 1.0) or 1.0,
         forced_bos_token_id=getattr(gc, "forced_bos_token_id", None),

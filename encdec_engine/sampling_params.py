@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
+_INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "no_repeat_ngram_size", "logprobs",
+               "truncate_prompt_tokens", "num_beams", "forced_bos_token_id", "forced_eos_token_id",
+               "no_speech_token_id")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "length_penalty")
+_TOKEN_LIST_FIELDS = ("stop_token_ids", "suppress_tokens", "begin_suppress_tokens", "allowed_token_ids")
 
 
 @dataclass
@@ -66,6 +73,20 @@ class SamplingParams:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, numbers.Integral):
+                fail(name, "must be an integer")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                fail(name, "must be a finite number")
+        for name in _TOKEN_LIST_FIELDS:
+            ids = getattr(self, name)
+            if ids is not None and not all(isinstance(t, numbers.Integral) and t >= 0 for t in ids):
+                fail(name, "must be a list of non-negative token ids")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            fail("allowed_token_ids", "must not be empty (every token would be banned)")
         if self.n < 1:
             fail("n", "must be at least 1")
         if self.best_of < self.n:
@@ -105,8 +126,25 @@ class SamplingParams:
             fail("seed", "must be non-negative")
         if self.no_speech_token_id is not None and self.no_speech_token_id < 0:
             fail("no_speech_token_id", "must be a non-negative token id")
-        if any(t < 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "must be non-negative token ids")
+        if self.num_beams > 1 and (self.stop or self.logprobs is not None):
+            fail("num_beams", "cannot be combined with stop strings or logprobs (beam search scores whole beams)")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError for a token id or logprobs count the model's vocabulary cannot serve."""
+        def fail(name: str, value) -> None:
+            raise ValueError(f"SamplingParams.{name} {value!r} is outside the vocabulary (size {vocab_size})")
+
+        for name in ("forced_bos_token_id", "forced_eos_token_id", "no_speech_token_id"):
+            value = getattr(self, name)
+            if value is not None and value >= vocab_size:
+                fail(name, value)
+        for name in ("suppress_tokens", "begin_suppress_tokens", "allowed_token_ids"):
+            bad = [t for t in getattr(self, name) or () if t >= vocab_size]
+            if bad:
+                fail(name, bad)
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"SamplingParams.logprobs {self.logprobs} is more than the vocabulary's "
+                             f"{vocab_size} tokens")
 
     @property
     def greedy(self) -> bool:

@@ -141,6 +141,7 @@ class SequenceGroup:
         self.generator: Any = None  # torch.Generator of a seeded request, made by the runner
         self.beam: Any = None  # BeamState of a beam-search request
         self.encoder_cached = False  # its cross KV is already in the pool: skip the encoder
+        self.max_len: int | None = None  # decoder length limit (prompt + max_tokens, at most the model's)
         # Prompt position whose next-token distribution gives no_speech_prob (SamplingParams.no_speech_token_id);
         # the prefill always computes it (never a cached prefix).
         self.no_speech_position: int | None = None

@@ -44,12 +44,14 @@ def test_beam_search_finishes_on_eos_with_min_tokens(bart_path, make_llm):
         assert [c.token_ids for c in o.outputs] == ref
 
 
-def test_summarize_matches_hf_with_a_bart_large_cnn_style_config(bart_path, make_llm):
+@pytest.mark.parametrize("lengths", [dict(min_length=12, max_length=30), dict(min_new_tokens=9, max_new_tokens=14), {}],
+                         ids=["length", "new_tokens", "hf_default"])
+def test_summarize_matches_hf_with_a_bart_large_cnn_style_config(lengths, bart_path, make_llm):
     llm = make_llm(bart_path, num_kv_blocks=600)
     gc = llm.engine.generation_config
     saved = gc.to_dict()
-    cnn = dict(num_beams=4, length_penalty=2.0, no_repeat_ngram_size=3, min_length=12, max_length=30,
-               early_stopping=True, forced_bos_token_id=0, forced_eos_token_id=2)
+    cnn = dict(num_beams=4, length_penalty=2.0, no_repeat_ngram_size=3, early_stopping=True,
+               forced_bos_token_id=0, forced_eos_token_id=2, **lengths)
     for key, value in cnn.items():
         setattr(gc, key, value)
     try:
@@ -140,3 +142,18 @@ def test_a_beam_request_keeps_its_id_until_it_finishes(bart_path, make_llm):
     while engine.has_unfinished_requests():
         outs = engine.step()
     assert outs[-1].finished and "x" not in engine.groups
+
+
+def test_stop_token_ids_end_beams_as_extra_eos_ids_do_in_hf(bart_path, make_llm):
+    llm = make_llm(bart_path, num_kv_blocks=600)
+    model = BartForConditionalGeneration.from_pretrained(bart_path).eval()
+    prompts = mixed_prompts(llm.get_tokenizer(), n=4, seed=33)
+    base = llm.generate(prompts, SamplingParams(num_beams=3, max_tokens=12, temperature=0.0), use_tqdm=False)
+    stop = base[0].outputs[0].token_ids[3]
+    outs = llm.generate(prompts, SamplingParams(num_beams=3, n=2, max_tokens=12, temperature=0.0, stop_token_ids=[stop]),
+                        use_tqdm=False)
+    assert any(c.token_ids[-1] == stop and c.finish_reason == "stop" for o in outs for c in o.outputs)
+    for o in outs:
+        ref = hf_beams(model, o.encoder_prompt_token_ids, o.prompt_token_ids, 12, 3, 2, eos_token_id=[2, stop])
+        cut = [r[: next((i + 1 for i, t in enumerate(r) if t == stop), len(r))] for r in ref]  # HF pads after it
+        assert [c.token_ids for c in o.outputs] == cut

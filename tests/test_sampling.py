@@ -27,6 +27,8 @@ def hf_model(bart_path):
         (dict(min_tokens=12), dict(min_new_tokens=12)),
         (dict(forced_eos_token_id=2), dict(forced_eos_token_id=2)),
         (dict(repetition_penalty=0.8, no_repeat_ngram_size=3), dict(repetition_penalty=0.8, no_repeat_ngram_size=3)),
+        # HF forces BOS only after a one-token decoder prompt: never here ([2, 0] and longer prompts).
+        (dict(forced_bos_token_id=0), dict(forced_bos_token_id=0)),
     ],
 )
 def test_processors_match_hf(llm, hf_model, ours, theirs):
@@ -35,6 +37,29 @@ def test_processors_match_hf(llm, hf_model, ours, theirs):
     for o in outs:
         ref = hf_greedy(hf_model, o.encoder_prompt_token_ids, o.prompt_token_ids, 16, **theirs)
         assert o.outputs[0].token_ids == ref
+
+
+def test_forced_bos_after_a_start_token_prompt_pushes_begin_suppression_on(llm, hf_model):
+    """HF: with a one-token decoder prompt and forced_bos, begin_suppress_tokens act on the token after BOS."""
+    prompt = {"encoder_prompt": "The rain in spain falls mainly", "decoder_prompt": {"prompt_token_ids": [2]}}
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, forced_bos_token_id=0),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert plain[0] == 0
+    params = dict(forced_bos_token_id=0, begin_suppress_tokens=[plain[1]])
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, **params), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids[1] != plain[1]
+    assert out.outputs[0].token_ids == hf_greedy(hf_model, out.encoder_prompt_token_ids, [2], 6, **params)
+
+
+def test_forced_eos_fills_the_model_length_limit(bart_path, make_llm, hf_model):
+    """max_tokens=None runs to the length limit, where forced_eos_token_id is forced as in HF."""
+    llm = make_llm(bart_path, num_kv_blocks=400, max_model_len=12)
+    out = llm.generate(["The rain in spain falls mainly"], SamplingParams(temperature=0, max_tokens=None,
+                                                                          forced_eos_token_id=2), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert len(out.prompt_token_ids) + len(c.token_ids) == 12 and c.token_ids[-1] == 2
+    assert c.token_ids == hf_greedy(hf_model, out.encoder_prompt_token_ids, out.prompt_token_ids, 10,
+                                    forced_eos_token_id=2)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
@@ -95,6 +120,14 @@ def test_stop_conditions(llm):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                 stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok and out.token_ids == toks[: toks.index(stop_tok) + 1]
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(out.token_ids[:-1])  # vLLM: the stop token's text is left out
+    kept = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_tok],
+                                                 include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == tok.decode(out.token_ids).rstrip("\ufffd")  # an incomplete character waits, as in vLLM
+    eos = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok],
+                                                skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
+    assert not eos.text.endswith("</s>") and eos.stop_reason in (None, stop_tok)
     text = base.outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     if stop.strip():
@@ -114,3 +147,30 @@ def test_incremental_text_equals_full_decode_and_logprobs(llm):
         for tid, lp in zip(c.token_ids, c.logprobs):
             assert tid in lp and len(lp) in (3, 4) and lp[tid] == max(lp.values())  # greedy picks the max
         assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("n", 2.0, "must be an integer"), ("max_tokens", 2.5, "must be an integer"), ("top_k", 2.5, "must be an integer"),
+    ("temperature", float("nan"), "finite"), ("repetition_penalty", float("inf"), "finite"),
+    ("allowed_token_ids", [], "must not be empty"), ("suppress_tokens", [-1], "non-negative token ids"),
+])
+def test_bad_sampling_params_name_the_field(field, value, match):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} .*{match}"):
+        SamplingParams(**{field: value})
+
+
+def test_beam_search_refuses_stop_strings_and_logprobs():
+    for bad in (dict(stop="x"), dict(logprobs=2)):
+        with pytest.raises(ValueError, match="num_beams"):
+            SamplingParams(num_beams=2, temperature=0.0, **bad)
+
+
+@pytest.mark.parametrize("bad", [dict(logprobs=10_000), dict(allowed_token_ids=[1, 10_000]),
+                                 dict(suppress_tokens=[10_000]), dict(begin_suppress_tokens=[10_000]),
+                                 dict(forced_bos_token_id=10_000), dict(forced_eos_token_id=10_000)])
+def test_token_ids_outside_the_vocabulary_are_refused_at_add_time(llm, bad):
+    """A clear ValueError before anything runs; the other prompts of the engine are untouched."""
+    field = next(iter(bad))
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} .*vocabulary"):
+        llm.generate(["The rain in spain"], SamplingParams(temperature=0, max_tokens=4, **bad), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

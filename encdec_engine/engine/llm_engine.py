@@ -94,6 +94,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        params.check_token_ids(self.input_processor.vocab_size)
         inputs = self.input_processor.process(prompt, params)
         self._check_fits(inputs.decoder_token_ids, inputs.encoder_seq, params)
         # One sequence runs the prefill; n > 1 and beam search fork it afterwards, sharing its blocks.
@@ -101,12 +102,11 @@ class LLMEngine:
         group = SequenceGroup(request_id, seqs, params, arrival_time or time.monotonic(), inputs.encoder_seq)
         if params.no_speech_token_id is not None:
             group.no_speech_position = self._no_speech_position(inputs.decoder_token_ids, params.no_speech_token_id)
-        if params.use_beam_search:
-            prompt_len = len(inputs.decoder_token_ids)
-            max_new = params.max_tokens or self.max_decoder_len - prompt_len
+        prompt_len = len(inputs.decoder_token_ids)
+        group.max_len = min(prompt_len + (params.max_tokens or self.max_decoder_len), self.max_decoder_len)
+        if params.use_beam_search:  # stop_token_ids end a beam as an EOS does (HF: a list of EOS ids)
             group.beam = BeamState(params.num_beams, params.length_penalty, params.early_stopping, prompt_len,
-                                   min(prompt_len + max_new, self.max_decoder_len),
-                                   () if params.ignore_eos else self.eos_token_ids)
+                                   group.max_len, tuple(params.all_stop_token_ids(self.eos_token_ids)))
         self.groups[request_id] = group
         self.scheduler.add(group)
 
@@ -124,9 +124,7 @@ class LLMEngine:
 
     def _no_speech_position(self, decoder_ids: list[int], token_id: int) -> int:
         """The last decoder start token of the prompt: no_speech_prob is read right after it."""
-        start, vocab = self.input_processor.decoder_start_token_id, self.input_processor.vocab_size
-        if token_id >= vocab:
-            raise ValueError(f"no_speech_token_id {token_id} is outside the vocabulary (size {vocab})")
+        start = self.input_processor.decoder_start_token_id
         if start is None or start not in decoder_ids:
             raise ValueError(f"no_speech_token_id needs the decoder start token ({start}) in the decoder prompt")
         return len(decoder_ids) - 1 - decoder_ids[::-1].index(start)
@@ -169,7 +167,7 @@ class LLMEngine:
             targets = [seq] + [self._fork(group, seq) for _ in result[1:]]
             for target, sample in zip(targets, result):
                 target.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
-                self._check_stop(target, group.sampling_params)
+                self._check_stop(target, group)
         for group, rows in beam_rows.values():
             self._beam_step(group, rows)
         self.stats["generated_tokens"] += sum(len(m.seq_data) for m in metadata)
@@ -221,22 +219,23 @@ class LLMEngine:
             if step.done:
                 child.status = SequenceStatus.FINISHED_STOPPED
 
-    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
+    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
+        params = group.sampling_params
         token = seq.output_token_ids[-1]
         delta = ""
         if self.detokenizer is not None:
             delta = self.detokenizer.step(seq, params.skip_special_tokens)
-        num_out = len(seq.output_token_ids)
-        if num_out >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
+        if len(seq.output_token_ids) >= params.min_tokens:
+            eos = token in self.eos_token_ids and not params.ignore_eos
+            if eos or token in params.stop_token_ids:
                 seq.status = SequenceStatus.FINISHED_STOPPED
-                return
-            if token in params.stop_token_ids:
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+                seq.stop_reason = None if eos else token
+                if delta and not params.include_stop_str_in_output:  # vLLM: the stop token's text is left out
+                    seq.output_text = seq.output_text[: -len(delta)]
                 return
             if params.stop and delta and self._hit_stop_string(seq, params, len(delta)):
                 return
-        if (params.max_tokens is not None and num_out >= params.max_tokens) or len(seq) >= self.max_decoder_len:
+        if len(seq) >= group.max_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     @staticmethod
@@ -257,7 +256,7 @@ class LLMEngine:
             text = ""
             if self.tokenizer is not None:
                 text = self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
-            reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
+            reason = "stop" if tokens and tokens[-1] in group.beam.eos_token_ids else "length"
             outputs.append(CompletionOutput(i, text, tokens, score, None, reason))
         return outputs
 

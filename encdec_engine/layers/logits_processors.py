@@ -25,6 +25,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None = None
     eos_token_ids: tuple[int, ...] = ()
+    max_len: int | None = None  # decoder length limit (prompt + max_tokens): forced_eos fills its last slot
 
     @property
     def token_ids(self) -> list[int]:
@@ -68,13 +69,15 @@ def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             stop_ids = [t for t in p.all_stop_token_ids(row.eos_token_ids) if t < vocab]
             if stop_ids:
                 x[stop_ids] = NEG_INF
-        if p.forced_bos_token_id is not None and not out:
+        # HF: BOS is forced only after a one-token decoder prompt, and pushes begin-suppression one step on.
+        bos_forced = p.forced_bos_token_id is not None and len(row.prompt_token_ids) == 1
+        if bos_forced and not out:
             _force(x, p.forced_bos_token_id)
-        if p.forced_eos_token_id is not None and p.max_tokens is not None and len(out) == p.max_tokens - 1:
+        if p.forced_eos_token_id is not None and row.max_len is not None and len(row.token_ids) == row.max_len - 1:
             _force(x, p.forced_eos_token_id)
         if p.suppress_tokens:
             x[p.suppress_tokens] = NEG_INF
-        if p.begin_suppress_tokens and not out:
+        if p.begin_suppress_tokens and len(out) == bos_forced:
             x[p.begin_suppress_tokens] = NEG_INF
         if p.allowed_token_ids is not None:
             allowed = x[p.allowed_token_ids].clone()

@@ -252,4 +252,5 @@ class ModelRunner:
         params = row.group.sampling_params
         if params.seed is not None and group.generator is None:
             group.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        return SamplingRow(params, data.prompt_token_ids, data.output_token_ids, group.generator, self.eos_token_ids)
+        return SamplingRow(params, data.prompt_token_ids, data.output_token_ids, group.generator, self.eos_token_ids,
+                           group.max_len)
