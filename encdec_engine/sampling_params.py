@@ -85,6 +85,8 @@ class SamplingParams:
             ids = getattr(self, name)
             if ids is not None and not all(isinstance(t, numbers.Integral) and t >= 0 for t in ids):
                 fail(name, "must be a list of non-negative token ids")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "must be non-empty strings")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             fail("allowed_token_ids", "must not be empty (every token would be banned)")
         if self.n < 1:

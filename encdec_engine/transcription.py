@@ -102,6 +102,10 @@ class Transcriber:
         if options.initial_prompt:
             self.prompt_tokens = self.tokenizer(" " + options.initial_prompt.strip(), add_special_tokens=False)[
                 "input_ids"]
+            special = [t for t in self.prompt_tokens if t >= self.tokens.eot]  # as HF's get_prompt_ids refuses
+            if special:
+                raise ValueError(f"initial_prompt contains special-token text "
+                                 f"{self.tokenizer.convert_ids_to_tokens(special)}; write it without <|...|> tokens")
         if options.language is not None:
             self.tokens.decoder_prompt(options.language, options.task)  # validates language and task
 

@@ -107,3 +107,11 @@ def test_explicit_prompt_on_decoder_only_model_is_an_error():
     with pytest.raises(ValueError, match="decoder-only"):
         proc.process({"encoder_prompt": {"prompt_token_ids": [1]}, "decoder_prompt": None}, GREEDY)
     assert proc.process({"prompt_token_ids": [1, 2]}, GREEDY).decoder_token_ids == [1, 2]
+
+
+def test_decoder_only_truncation_leaves_room_to_generate():
+    proc = InputProcessor(_DecoderOnly(), None, 100, 64, 0, None, None, None)
+    with pytest.raises(ValueError, match="limit of 63.*truncate_prompt_tokens=63"):
+        proc.process({"prompt_token_ids": [1] * 80}, GREEDY)
+    params = SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=64)
+    assert len(proc.process({"prompt_token_ids": [1] * 80}, params).decoder_token_ids) == 63

@@ -259,6 +259,17 @@ def test_completion_stream(bart_server):
 
 
 # -- errors ---------------------------------------------------------------------
+def _float_wav(samples) -> bytes:
+    import io
+
+    import numpy as np
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.asarray(samples, dtype=np.float32), 16000, format="WAV", subtype="FLOAT")
+    return buffer.getvalue()
+
+
 def _multipart(**fields) -> dict:
     return {"files": {"file": ("clip.wav", fields.pop("file", (AUDIO / "fox.wav").read_bytes()))}, "data": fields}
 
@@ -276,6 +287,7 @@ BAD_AUDIO = [
     (_multipart(model="gpt-4o"), 404, "not served here"),
     (_multipart(file=b"RIFF garbage, not audio" * 50), 400, "cannot decode"),
     (_multipart(file=b""), 400, "empty"),
+    (_multipart(file=_float_wav([0.1, float("nan")] * 8000)), 400, "8000 NaN or infinite samples"),
     (_multipart(file=b"\0" * (3 << 20)), 413, "limit of 2 MB"),
     (_multipart(file=(AUDIO / "long_meeting.flac").read_bytes()), 413, "at most 60 s"),
 ]
@@ -295,6 +307,8 @@ BAD_COMPLETIONS = [
     ({"json": {"prompt": ["fine", [0, 99999]]}}, 400, "prompt 1"),
     ({"json": {"prompt": "word " * 400}}, 400, "limit"),
     ({"json": {"prompt": "x", "model": "gpt-4o"}}, 404, "not served here"),
+    ({"json": {"prompt": "x", "max_tokens": 100_000}}, 400, "ask for at most"),
+    ({"json": {"prompt": "x", "stop": ["y", ""]}}, 400, "stop must be non-empty"),
     ({"json": {"prompt": ["a", "b", "c"]}}, 400, "exceed this server's queue"),
 ]
 
@@ -316,6 +330,40 @@ def test_bad_completion_requests_get_clean_errors(bart_server, kwargs, status, m
         assert message in r.json()["error"]["message"]
         assert http.post("/v1/completions", json={"prompt": "Still serving.", "max_tokens": 2},
                          headers=AUTH).status_code == 200
+
+
+def test_null_optional_fields_take_their_defaults(bart_server):
+    """OpenAI's optional fields are nullable; max_tokens: null means up to the model's limit."""
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "best_of", "stop", "seed", "logprobs", "echo", "stream",
+                           "presence_penalty", "frequency_penalty", "user", "suffix", "logit_bias"])
+    with bart_server.http() as http:
+        r = http.post("/v1/completions", json={"prompt": "The rain in spain", "max_tokens": 3, **nulls}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] <= 3
+        r = http.post("/v1/completions", json={"prompt": "The rain", "max_tokens": None, "temperature": 0,
+                                                "ignore_eos": True}, headers=AUTH)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_retrieve_model(bart_server):
+    assert bart_server.client().models.retrieve("bart").id == "bart"
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        bart_server.client().models.retrieve("gpt-4o")
+
+
+def test_metric_samples_are_exact():
+    from encdec_engine.entrypoints.server_metrics import _number
+
+    assert [_number(v) for v in (1234567, 1234567.0, 0.25, 3.0000001)] == ["1234567", "1234567", "0.25", "3.0000001"]
+
+
+def test_translations_report_english():
+    from encdec_engine.entrypoints.protocol import verbose_transcription
+    from encdec_engine.outputs import Transcription
+
+    t = Transcription(text=" Hello.", language="fr", segments=[], duration=1.0)
+    assert verbose_transcription(t, "translate").language == "english"
+    assert verbose_transcription(t, "transcribe").language == "french"
 
 
 def test_wrong_model_kind_and_unknown_paths(bart_server, whisper_server):

@@ -202,6 +202,18 @@ def test_initial_prompt_matches_hf_prompt_ids(tiny_en, hf_tiny_en):
     assert result.segments[0].tokens + [50256] == ref[len(prompt_ids) + 2 :]
 
 
+def test_initial_prompt_with_special_token_text_is_refused(tiny_en):
+    with pytest.raises(ValueError, match="initial_prompt contains special-token text.*endoftext"):
+        tiny_en.transcribe(AUDIO / "stella.wav", initial_prompt="Stella <|endoftext|> brings")
+
+
+def test_nan_samples_are_an_input_error_not_a_crash(tiny_en):
+    bad = np.full(16000, np.nan, dtype=np.float32)
+    results = tiny_en.transcribe([bad, AUDIO / "stella.wav"], **EXACT)
+    assert "16000 NaN or infinite samples" in results[0].error and results[1].error is None
+    assert results[1].text.strip()
+
+
 def test_english_only_checkpoint_decodes_each_window_once(tiny_en):
     engine = tiny_en.engine
     before = engine.stats["prefill_steps"], engine.stats["encoder_runs"]

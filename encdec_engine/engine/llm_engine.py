@@ -66,6 +66,9 @@ class LLMEngine:
         )
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.groups: dict[str, SequenceGroup] = {}
+        # OpenAI's rule, which the server turns on: a max_tokens past the model's length limit is an
+        # error. Off (vLLM's offline behaviour), such a request ends at the limit with "length".
+        self.reject_max_tokens_past_limit = False
         self._seq_ids = itertools.count()
         self.stats = {"prefill_steps": 0, "decode_steps": 0, "generated_tokens": 0, "encoder_runs": 0}
 
@@ -111,6 +114,12 @@ class LLMEngine:
         self.scheduler.add(group)
 
     def _check_fits(self, decoder_ids: list[int], encoder_seq, params: SamplingParams) -> None:
+        prompt_len = len(decoder_ids)
+        if (self.reject_max_tokens_past_limit and params.max_tokens is not None
+                and prompt_len + params.max_tokens > self.max_decoder_len):
+            raise ValueError(f"max_tokens {params.max_tokens} plus the {prompt_len}-token decoder prompt is more "
+                             f"than the model's limit of {self.max_decoder_len} positions; ask for at most "
+                             f"{self.max_decoder_len - prompt_len}")
         bs, total = self.config.block_size, self.block_manager.num_total_device_blocks
         cross = blocks_for(encoder_seq.num_positions, bs) if encoder_seq is not None else 0
         # The prompt's blocks, plus one copied block per forked sequence.
@@ -118,8 +127,9 @@ class LLMEngine:
         if need > total:
             raise ValueError(f"request needs {need} KV blocks ({cross} cross) but the pool has only {total}; "
                              "raise num_kv_blocks / kv_cache_space_gb or shorten the prompt")
-        if encoder_seq is not None and encoder_seq.num_positions + len(decoder_ids) > self.scheduler.config.max_num_batched_tokens:
-            raise ValueError(f"prompt needs {encoder_seq.num_positions + len(decoder_ids)} prefill positions, more than "
+        positions = prompt_len + (encoder_seq.num_positions if encoder_seq is not None else 0)
+        if positions > self.scheduler.config.max_num_batched_tokens:
+            raise ValueError(f"prompt needs {positions} prefill positions, more than "
                              f"max_num_batched_tokens={self.scheduler.config.max_num_batched_tokens}")
 
     def _no_speech_position(self, decoder_ids: list[int], token_id: int) -> int:

@@ -133,6 +133,16 @@ class CompletionRequest(BaseModel):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's optional fields are nullable: null takes the default (max_tokens: null keeps
+        its meaning, no limit but the model's)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return data
+
     @field_validator("prompt", mode="before")
     @classmethod
     def _parse_prompt(cls, value: Any) -> list[str | dict]:
@@ -301,7 +311,8 @@ def verbose_transcription(t: Transcription, task: str) -> TranscriptionVerboseRe
                                      text=s.text, tokens=s.tokens, temperature=s.temperature,
                                      avg_logprob=s.avg_logprob, compression_ratio=s.compression_ratio,
                                      no_speech_prob=s.no_speech_prob) for s in t.segments]
-    return TranscriptionVerboseResponse(task=task, language=language_name(t.language), duration=t.duration,
+    language = "english" if task == "translate" else language_name(t.language)  # OpenAI: translations are English
+    return TranscriptionVerboseResponse(task=task, language=language, duration=t.duration,
                                         text=t.text.strip(), segments=segments, usage=audio_usage(t))
 
 

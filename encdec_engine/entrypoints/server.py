@@ -56,6 +56,12 @@ async def list_models(request: Request) -> P.ModelList:
                                          max_model_len=st.engine.engine.max_decoder_len)])
 
 
+@router.get("/v1/models/{model_id:path}", response_model=P.ModelCard)
+async def retrieve_model(model_id: str, request: Request) -> P.ModelCard:
+    state_of(request).check_model(model_id)
+    return (await list_models(request)).data[0]
+
+
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     engine = state_of(request).engine
@@ -112,6 +118,7 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
             raise ValueError("build_app needs a model path or an engine")
         engine = LLMEngine(EngineConfig(model=str(model), **engine_kwargs))
     async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
+    async_engine.engine.reject_max_tokens_past_limit = True  # OpenAI: a 400, not a silently shorter answer
     state = ServerState(async_engine, limits or ServerLimits(), served_model_name)
 
     @asynccontextmanager

@@ -34,7 +34,7 @@ class Metrics:
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
             out.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-            out.extend(f"{name}{labels} {value:g}" for labels, value in samples)
+            out.extend(f"{name}{labels} {_number(value)}" for labels, value in samples)
 
         metric("encdec_engine_up", "gauge", "1 while the engine thread runs", [("", float(engine.is_running))])
         metric("encdec_requests_waiting", "gauge", "Requests in the engine's waiting queue", [("", s.num_waiting)])
@@ -66,6 +66,12 @@ class Metrics:
             for bound, count in zip(_LATENCY_BUCKETS, counts):
                 le = "+Inf" if bound == math.inf else f"{bound:g}"
                 out.append(f'encdec_request_latency_seconds_bucket{{endpoint="{endpoint}",le="{le}"}} {count}')
-            out.append(f'encdec_request_latency_seconds_sum{{endpoint="{endpoint}"}} {self.latency_sum[endpoint]:g}')
+            out.append(f'encdec_request_latency_seconds_sum{{endpoint="{endpoint}"}} '
+                       f'{_number(self.latency_sum[endpoint])}')
             out.append(f'encdec_request_latency_seconds_count{{endpoint="{endpoint}"}} {counts[-1]}')
         return "\n".join(out) + "\n"
+
+
+def _number(value: float) -> str:
+    """Exact Prometheus sample text: integers in full (no 1.23e+06), floats round-trip."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

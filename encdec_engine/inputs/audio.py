@@ -59,6 +59,8 @@ def _to_mono(samples: np.ndarray, sample_rate: int, target_rate: int, *, channel
         offset = (int(info.max) + 1) // 2 if info.min == 0 else 0
         samples = (samples.astype(np.float32) - offset) / float(offset or -int(info.min))
     samples = samples.astype(np.float32, copy=False)
+    if not np.isfinite(samples).all():
+        raise AudioError(f"audio has {int(np.count_nonzero(~np.isfinite(samples)))} NaN or infinite samples")
     if samples.ndim == 2:
         samples = samples.mean(axis=1 if channels_last else 0)  # samples: [num_samples]
     if sample_rate != target_rate and samples.size:
@@ -120,7 +122,10 @@ def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE) -> np.ndarray:
             raise AudioError(f"cannot decode audio file (corrupt or unsupported codec): {name}") from ar_error
     if data.size == 0:
         raise AudioError(f"audio file contains no samples: {name}")
-    return _to_mono(data, rate, sr, channels_last=True)  # data: [num_samples, channels]
+    try:
+        return _to_mono(data, rate, sr, channels_last=True)  # data: [num_samples, channels]
+    except AudioError as e:
+        raise AudioError(f"{e}: {name}") from None
 
 
 def audio_samples(audio) -> np.ndarray:

@@ -54,7 +54,7 @@ class InputProcessor:
                 raise ValueError("explicit encoder/decoder prompts need an encoder/decoder model; "
                                  "this model is decoder-only, pass a single prompt")
             ids = self._tokens(parsed.primary, "prompt", add_special_tokens=True, drop_eos=False)
-            ids = self._truncate(ids, params, "prompt", self.max_decoder_len)
+            ids = self._truncate(ids, params, "prompt", self.max_decoder_len - 1)  # room for one token
             self._check_decoder(ids, "prompt")
             return ProcessedInputs(ids, parsed.primary.text, None)
 
@@ -139,7 +139,7 @@ class InputProcessor:
             ids = ids[-min(params.truncate_prompt_tokens, limit):]
         if len(ids) > limit:
             raise ValueError(f"{what} has {len(ids)} tokens, more than the model's limit of {limit}; "
-                             f"shorten it or set SamplingParams(truncate_prompt_tokens={limit})")
+                             f"shorten it or set truncate_prompt_tokens={limit} to keep its last {limit}")
         return ids
 
     def _check_decoder(self, ids: list[int], what: str) -> None:
