@@ -518,3 +518,12 @@ def test_serve_command_defaults():
     assert (args.host, args.port, args.api_key, args.model) == ("127.0.0.1", 8000, None, None)
     args = build_parser().parse_args(["serve", "--port", "0", "--max-queue", "4", "--api-key", "k"])
     assert (args.port, args.max_queue, args.api_key) == (0, 4, "k")
+
+
+def test_top_logprobs_rank_likeliest_first_and_keep_it_on_equal_text():
+    from encdec_engine.entrypoints.protocol import completion_logprobs
+
+    pieces = {1: "a", 2: "\ufffd", 3: "\ufffd", 4: "b"}
+    lp = completion_logprobs([2], [{2: -0.1, 3: -5.0, 4: -2.0, 1: -3.0}], pieces.__getitem__)
+    assert list(lp.top_logprobs[0].items()) == [("\ufffd", -0.1), ("b", -2.0), ("a", -3.0)]
+    assert lp.token_logprobs == [-0.1]

@@ -218,7 +218,10 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], 
         piece = decode(token)
         lp.tokens.append(piece)
         lp.token_logprobs.append(top.get(token, -math.inf))
-        lp.top_logprobs.append({decode(t): v for t, v in top.items()})
+        ranked: dict[str, float] = {}
+        for t, v in sorted(top.items(), key=lambda item: -item[1]):  # most likely first; pieces that
+            ranked.setdefault(decode(t), v)  # decode alike (partial UTF-8 bytes) keep the likeliest
+        lp.top_logprobs.append(ranked)
         lp.text_offset.append(text_offset)
         text_offset += len(piece)
     return lp

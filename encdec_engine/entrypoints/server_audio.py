@@ -103,7 +103,7 @@ async def _read_form(request: Request) -> tuple[UploadFile, dict[str, Any]]:
                 raise APIError(400, "'file' must be an uploaded file (a multipart part with a filename)", "file")
             upload = value
         elif isinstance(value, UploadFile):
-            raise APIError(400, f"field {name!r} must be text, got a file", name)
+            raise APIError(400, f"field {name!r} must be text, got a file (the audio goes in the 'file' field)", name)
         elif name == "timestamp_granularities":
             fields.setdefault(name, []).append(value)
         elif name in fields:

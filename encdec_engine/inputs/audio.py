@@ -113,7 +113,7 @@ def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE) -> np.ndarray:
     except Exception as sf_error:  # libsndfile raises several types for bad input
         suffix = Path(name).suffix.lower()
         if not is_path:
-            raise AudioError(f"cannot decode audio from {name}: {sf_error}") from sf_error
+            raise AudioError(f"cannot decode audio from {name}: not a supported audio format, or corrupt") from sf_error
         if suffix not in AUDIO_EXTENSIONS:
             raise AudioError(f"unsupported audio format {suffix or '(no extension)'!r}: {name}") from sf_error
         try:
