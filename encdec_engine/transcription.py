@@ -256,11 +256,14 @@ class Transcriber:
         single_ending = len(tokens) >= 2 and not is_ts[-2] and is_ts[-1]
 
         def add(piece: list[int], start: float, end: float) -> None:
+            # As openai-whisper and faster-whisper: an instantaneous or empty segment is dropped, and only
+            # kept segments' tokens condition the next window.
             text = self.tokenizer.decode([t for t in piece if t < self.tokens.eot])
-            if not text.strip():
+            if not text.strip() or start == end:
                 return
             job.segments.append(Segment(len(job.segments), round(start, 3), round(end, 3), text, piece,
                                         temperature, avg_logprob, ratio, no_speech))
+            job.tokens.extend(piece)
 
         if cuts:
             if single_ending:
@@ -281,7 +284,6 @@ class Transcriber:
                 duration = (stamps[-1] - begin) * TIME_PRECISION
             add(tokens, offset, offset + duration)
             job.seek += window_frames
-        job.tokens.extend(tokens)
 
     def result(self, job: TranscriptionJob) -> Transcription:
         if job.error is not None:

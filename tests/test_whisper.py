@@ -84,9 +84,28 @@ def test_timestamps_give_ordered_segments_within_the_audio(tiny_en):
         assert [s.start for s in result.segments] == sorted(s.start for s in result.segments)
 
 
-def test_long_form_transcribes_to_the_end(tiny_en):
+def test_long_form_transcribes_to_the_end(tiny_en, monkeypatch):
+    engine, prompts = tiny_en.engine, []
+    add = engine.add_request
+
+    def recording_add(request_id, prompt, params=None, *args):
+        prompts.append(prompt["decoder_prompt"]["prompt_token_ids"])
+        return add(request_id, prompt, params, *args)
+
+    monkeypatch.setattr(engine, "add_request", recording_add)
     result = tiny_en.transcribe(AUDIO / "long_meeting.flac")[0]
+    monkeypatch.undo()
     assert result.duration > 60
+    # As openai-whisper: a window is conditioned on the tokens of the segments kept so far, nothing else.
+    kept, ends = [], {0}
+    for seg in result.segments:
+        kept += seg.tokens
+        ends.add(len(kept))
+    sot_prev, sot = 50360, 50257  # <|startofprev|>, <|startoftranscript|> of tiny.en
+    conditioned = [p[1 : p.index(sot)] for p in prompts if p[0] == sot_prev]
+    assert conditioned
+    for prev in conditioned:
+        assert any(kept[end - len(prev) : end] == prev for end in ends if end >= len(prev)), prev
     assert result.segments[-1].end > result.duration - 10
     wer = jiwer.wer(norm(TRANSCRIPTS["long_meeting.flac"]), norm(result.text))
     assert wer < 0.15, wer
