@@ -146,8 +146,8 @@ def _or_default(value, default):
 
 
 def _audio_inputs(audio) -> list:
-    """One input (a path, a 1-D array, a (samples, rate) pair) or a sequence of them -> a list."""
-    one = (isinstance(audio, (str, Path))
+    """One input (a path, file bytes, a 1-D array, a (samples, rate) pair) or a sequence of them -> a list."""
+    one = (isinstance(audio, (str, Path, bytes, bytearray))
            or (isinstance(audio, (np.ndarray, torch.Tensor)) and audio.ndim == 1)
            or (isinstance(audio, tuple) and len(audio) == 2 and not isinstance(audio[0], (str, Path))))
     return [audio] if one else list(audio)

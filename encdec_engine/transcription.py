@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from encdec_engine.inputs.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
 from encdec_engine.inputs.audio_features import log_mel_spectrogram
 from encdec_engine.layers.whisper_timestamps import timestamp_rules_from_generation_config
-from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens
+from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens, language_code
 from encdec_engine.outputs import RequestOutput, Segment, Transcription
 from encdec_engine.sampling_params import SamplingParams
 
@@ -116,6 +116,8 @@ class Transcriber:
         in_flight: dict[str, TranscriptionJob] = {}
         bar = tqdm(total=round(sum(j.duration for j in jobs), 1), unit="s", desc="Transcribing", disable=not use_tqdm)
         files_done, bar_files = 0, len(queue)
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1 (or None: every input at once), got {max_in_flight}")
         limit = max_in_flight or len(queue) or 1
         try:
             while queue or in_flight:
@@ -149,7 +151,8 @@ class Transcriber:
     def load(self, index: int, item) -> TranscriptionJob:
         """Read one input (path, array, or (samples, rate)); a bad one gets `error` set."""
         source = str(item) if isinstance(item, (str, Path)) else None
-        job = TranscriptionJob(index, source, language=self.options.language)
+        language = language_code(self.options.language) if self.options.language is not None else None
+        job = TranscriptionJob(index, source, language=language)
         try:
             job.samples = audio_samples(item)
         except ValueError as e:  # AudioError included

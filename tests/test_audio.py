@@ -16,6 +16,7 @@ from encdec_engine.inputs.audio import (
     N_SAMPLES,
     SAMPLE_RATE,
     AudioError,
+    audio_samples,
     load_audio,
     load_audio_bytes,
     to_mono_16k,
@@ -151,3 +152,20 @@ def test_unsupported_format_names_the_file(tmp_path: Path) -> None:
         load_audio(tmp_path)
     with pytest.raises(AudioError):
         load_audio(io.BytesIO(b"not audio at all" * 32))
+
+
+def test_channels_first_arrays_are_refused_not_read_as_two_samples():
+    stereo = np.zeros((2, 16000), dtype=np.float32)
+    with pytest.raises(AudioError, match=r"shape \(2, 16000\) has more channels than samples.*transpose"):
+        audio_samples((stereo, 16000))
+    assert audio_samples((stereo.T, 16000)).shape == (16000,)
+
+
+def test_tensors_bytes_and_unknown_inputs():
+    import torch
+
+    assert audio_samples(torch.zeros(1600)).shape == (1600,)
+    wav = (AUDIO_DIR / "fox.wav").read_bytes()
+    assert np.array_equal(audio_samples(wav), load_audio(AUDIO_DIR / "fox.wav"))
+    with pytest.raises(AudioError, match="unsupported audio input of type dict"):
+        audio_samples({"x": 1})

@@ -59,3 +59,20 @@ def test_transcribe_prints_text_with_the_default_model():
     r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet", "--no-speech-threshold", "none")
     assert r.returncode == 0, r.stderr
     assert "beautiful day to go for a walk in the park" in r.stdout
+
+
+def test_bad_destinations_and_options_fail_before_any_work(tmp_path):
+    """Each is refused at once with exit 2 and a one-line error naming the problem (no model is even loaded)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for d in ("a", "b"):
+        (tmp_path / d / "x.wav").write_bytes((AUDIO / "fox.wav").read_bytes())
+    one, two = [str(tmp_path / "a" / "x.wav")], [str(tmp_path / "a" / "x.wav"), str(tmp_path / "b" / "x.wav")]
+    cases = [
+        (one + ["--output-dir", str(AUDIO / "weather.wav")], "exists and is not a directory"),
+        (two + ["--output-dir", str(tmp_path / "out")], "would both be written as x.*"),
+        (one + ["--batch-size", "-1"], "--batch-size must be at least 1"),
+    ]
+    for args, message in cases:
+        r = encdec("transcribe", "--quiet", *args)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

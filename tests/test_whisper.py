@@ -312,3 +312,16 @@ def test_transcripts_report_no_speech_and_skip_silent_windows(tiny_en, hf_tiny_e
     assert skipped.text == "" and skipped.segments == []
     kept = tiny_en.transcribe(noise, no_speech_threshold=None)[0]
     assert kept.text.strip() and kept.segments[0].no_speech_prob > 0.6
+
+
+def test_language_may_be_a_code_token_or_name_in_any_case():
+    from encdec_engine.models.whisper_tokens import WhisperTokens, language_code
+
+    assert [language_code(x) for x in ("EN", "English", "<|fr|>", " de ", "castilian")] == ["en", "en", "fr", "de", "es"]
+    english_only = WhisperTokens(sot=1, eot=0, no_timestamps=9, sot_prev=None, is_multilingual=False)
+    assert english_only.decoder_prompt("English") == english_only.decoder_prompt("EN") == [1, 9]
+    with pytest.raises(ValueError, match="English-only"):
+        english_only.decoder_prompt("German")
+    multi = WhisperTokens(sot=1, eot=0, no_timestamps=9, sot_prev=None, is_multilingual=True,
+                          lang_to_id={"<|en|>": 3, "<|fr|>": 4}, task_to_id={"transcribe": 5})
+    assert multi.decoder_prompt("French") == [1, 4, 5, 9]

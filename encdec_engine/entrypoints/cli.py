@@ -36,8 +36,21 @@ def _llm(args):
 
 
 def cmd_transcribe(args) -> int:
-    from encdec_engine.entrypoints.writers import OUTPUT_FORMATS, render, write_transcription
+    from encdec_engine.entrypoints.writers import OUTPUT_FORMATS, output_basename, render, write_transcription
 
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    writes = args.output_dir or args.output_format
+    if writes:  # before any work: a bad destination must not cost the transcription
+        out_dir = Path(args.output_dir or ".")
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ValueError(f"--output-dir {out_dir} exists and is not a directory")
+        stems: dict[str, str] = {}
+        for path in args.audio:
+            other = stems.setdefault(output_basename(path), path)
+            if other != path:
+                raise ValueError(f"{other} and {path} would both be written as {output_basename(path)}.*; "
+                                 "transcribe them into different --output-dir folders")
     if args.model is None:
         from encdec_engine.models.ct2_import import default_model_path
 
@@ -210,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad arguments, unwritable outputs: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -50,7 +50,13 @@ def to_mono_16k(samples: np.ndarray, sample_rate: int, *, channels_last: bool = 
 def _to_mono(samples: np.ndarray, sample_rate: int, target_rate: int, *, channels_last: bool) -> np.ndarray:
     samples = np.asarray(samples)
     if samples.ndim not in (1, 2):
-        raise ValueError(f"expected a 1-D or 2-D array of samples, got shape {samples.shape}")
+        raise AudioError(f"expected a 1-D or 2-D array of samples, got shape {samples.shape}")
+    if samples.ndim == 2:
+        num_samples, channels = samples.shape if channels_last else samples.shape[::-1]
+        if channels > num_samples:
+            layout = "[num_samples, channels]" if channels_last else "[channels, num_samples]"
+            raise AudioError(f"2-D audio of shape {tuple(samples.shape)} has more channels than samples as "
+                             f"{layout}; transpose it (librosa and torchaudio give [channels, num_samples])")
     if sample_rate <= 0 or target_rate <= 0:
         raise ValueError(f"sample rates must be positive, got {sample_rate} -> {target_rate}")
     if np.issubdtype(samples.dtype, np.integer):
@@ -132,12 +138,19 @@ def audio_samples(audio) -> np.ndarray:
     """Any audio input as float32 mono 16 kHz ``[num_samples]``: a ``(samples, sample_rate)``
     pair, an array already at 16 kHz, or a file path / binary file object.
     Raises ``AudioError`` (a ValueError) naming the problem, including no samples."""
+    if hasattr(audio, "detach"):  # a torch tensor
+        audio = audio.detach().cpu().numpy()
     if isinstance(audio, (tuple, list)) and len(audio) == 2:
         samples = to_mono_16k(audio[0], audio[1])
     elif isinstance(audio, np.ndarray):
         samples = to_mono_16k(audio, SAMPLE_RATE)
-    else:
+    elif isinstance(audio, (bytes, bytearray)):
+        return load_audio_bytes(bytes(audio))
+    elif isinstance(audio, (str, os.PathLike)) or hasattr(audio, "read"):
         return load_audio(audio)  # names the file in its errors, empty files included
+    else:
+        raise AudioError(f"unsupported audio input of type {type(audio).__name__}: pass a path, file bytes, "
+                         "a 1-D float array at 16 kHz or a (samples, sample_rate) pair")
     if samples.size == 0:
         raise AudioError("audio has no samples")
     return samples

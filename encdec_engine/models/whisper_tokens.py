@@ -48,8 +48,8 @@ class WhisperTokens:
         )
 
     def language_token(self, language: str) -> int:
-        """`en`, `<|en|>` (or a name like `english` when the table has it) -> token id."""
-        key = language if language.startswith("<|") else f"<|{language.lower()}|>"
+        """`en`, `EN`, `<|en|>` or a name like `English` -> token id."""
+        key = f"<|{language_code(language)}|>"
         if key not in self.lang_to_id:
             known = ", ".join(sorted(k.strip("<|>") for k in self.lang_to_id)[:20])
             raise ValueError(f"unknown language {language!r}; this checkpoint knows: {known} ...")
@@ -71,10 +71,19 @@ class WhisperTokens:
         if self.is_multilingual:
             tokens.append(self.language_token(language or "en"))
             tokens.append(self.task_to_id.get(task, self.sot))
-        elif language not in (None, "en", "english", "<|en|>"):
+        elif language is not None and language_code(language) != "en":
             raise ValueError(f"this checkpoint is English-only; cannot transcribe language {language!r}")
         elif task == "translate":
             raise ValueError("this checkpoint is English-only; it cannot translate")
         if not timestamps:
             tokens.append(self.no_timestamps)
         return tokens
+
+
+def language_code(language: str) -> str:
+    """Whisper's code for a language given as a code, a token or a name, any case:
+    "EN", "<|en|>", "English" -> "en". Unknown names come back lowercased, for the caller to refuse."""
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    key = language.strip().lower().removeprefix("<|").removesuffix("|>")
+    return TO_LANGUAGE_CODE.get(key, key)
