@@ -71,6 +71,7 @@ def test_flac_equals_wav(tmp_path: Path) -> None:
         ("meeting_stereo_44k.wav", ".mp3", []),  # stereo 44.1 kHz MP3
         ("fox.wav", ".ogg", ["-c:a", "libvorbis", "-ar", "48000"]),
         ("fox.wav", ".m4a", ["-c:a", "aac", "-ar", "22050"]),  # not in libsndfile: ffmpeg path
+        ("fox.wav", ".mkv", ["-c:a", "libopus"]),  # a video container with an audio track
     ],
 )
 def test_compressed_formats(tmp_path: Path, source: str, suffix: str, args: list[str]) -> None:

@@ -19,7 +19,8 @@ N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 frames in a 30 s mel
 
 # Extensions we expect to decode; anything else is reported as unsupported, not corrupt.
 AUDIO_EXTENSIONS = frozenset(
-    {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".mp4", ".aac", ".wma", ".aiff", ".aif", ".webm", ".au"}
+    {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".mp4", ".aac", ".wma", ".aiff", ".aif", ".webm", ".au",
+     ".mkv", ".mka", ".mov", ".avi", ".3gp", ".amr", ".ac3", ".caf", ".wv"}  # the rest: containers ffmpeg reads
 )
 
 AudioSource = str | os.PathLike[str] | BinaryIO
