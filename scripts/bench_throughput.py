@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import sys
 import time
@@ -116,7 +117,14 @@ def run_engine(path: Path, prompts: list, max_tokens: int, device: str, dtype: s
     stats = llm.engine.stats
     print(f"  engine steps: {stats['prefill_steps']} prefill, {stats['decode_steps']} decode "
           f"({llm.engine.runner.graph_steps} from CUDA graphs); {llm.engine.kv_pool.describe()}")
-    return [o.outputs[0].token_ids for o in outs], elapsed
+    tokens = [o.outputs[0].token_ids for o in outs]
+    # Hand the KV pool back before HF runs: the first engine of a process can stay referenced
+    # (torch's lazy imports keep frames alive) until a full collection.
+    del llm, outs
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return tokens, elapsed
 
 
 def sync(device: str) -> None:

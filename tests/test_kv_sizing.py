@@ -30,11 +30,17 @@ def test_partial_blocks_are_dropped():
     assert num_kv_blocks_for_memory(1000, 1000, 1.0, 100, 50, 100) == 8  # 850 bytes -> 8 whole blocks
 
 
-def test_memory_held_by_other_processes_is_respected():
-    # Another process holds 40 of 80 GiB: the 90% share is capped at the 40 GiB that are free.
-    blocks = num_kv_blocks_for_memory(free_bytes=40 * GiB, total_bytes=80 * GiB, gpu_memory_utilization=0.9,
+def test_the_share_is_per_engine_and_must_be_free():
+    """vLLM's rule: gpu_memory_utilization is this engine's share, whatever else holds the device."""
+    # Another process holds 40 of 80 GiB: a 90% share cannot be had, and that is an error, not a pool
+    # that takes every free byte.
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.9 gives this engine 72.00 GiB.*only 30.00 GiB"):
+        num_kv_blocks_for_memory(free_bytes=30 * GiB, total_bytes=80 * GiB, gpu_memory_utilization=0.9,
+                                 model_bytes=10 * GiB, activation_peak_bytes=6 * GiB, bytes_per_block=2 * MiB)
+    # A 40% share fits beside it: 32 GiB - 10 GiB of weights - 6 GiB of activations.
+    blocks = num_kv_blocks_for_memory(free_bytes=30 * GiB, total_bytes=80 * GiB, gpu_memory_utilization=0.4,
                                       model_bytes=10 * GiB, activation_peak_bytes=6 * GiB, bytes_per_block=2 * MiB)
-    assert blocks == 24 * GiB // (2 * MiB)
+    assert blocks == (int(80 * GiB * 0.4) - 16 * GiB) // (2 * MiB)
 
 
 @pytest.mark.parametrize("util", [0.0, -0.1, 1.01])
@@ -83,10 +89,10 @@ class FakeReader:
 
 def test_profile_measures_weights_activation_peak_and_free_memory():
     reader = FakeReader(weights=10 * GiB, activations=6 * GiB, free=60 * GiB, total=80 * GiB, reserved=17 * GiB)
-    profile = profile_free_memory(torch.device("cuda"), reader.forward, reader=reader)
+    profile = profile_free_memory(torch.device("cuda"), reader.forward, reader=reader, model_bytes=10 * GiB)
     assert reader.calls == ["sync", "reset", "forward", "sync"]
-    # Free for this engine = device free + what this process's allocator already holds.
-    assert profile == MemoryProfile(free_bytes=77 * GiB, total_bytes=80 * GiB, model_bytes=10 * GiB,
+    # Free for this engine = device free + what this process's allocator holds unused (17 - 10 GiB).
+    assert profile == MemoryProfile(free_bytes=67 * GiB, total_bytes=80 * GiB, model_bytes=10 * GiB,
                                     activation_peak_bytes=6 * GiB)
     blocks = num_kv_blocks_for_memory(profile.free_bytes, profile.total_bytes, 0.9, profile.model_bytes,
                                       profile.activation_peak_bytes, 2 * MiB)
@@ -141,7 +147,7 @@ def test_configured_sizes_win_and_cpu_defaults_to_2_gib():
 
 def test_cuda_without_a_size_profiles_one_step():
     reader = FakeReader(weights=GiB, activations=2 * GiB, free=70 * GiB, total=80 * GiB, reserved=3 * GiB)
-    report = pool("cuda", run_profile_forward=reader.forward, reader=reader)  # the fake never touches CUDA
+    report = pool("cuda", run_profile_forward=reader.forward, reader=reader, model_bytes=GiB)  # fake: no CUDA
     per_block = bytes_per_block(WHISPER_TINY, 16, torch.float16)
     assert report.num_blocks == (int(80 * GiB * 0.9) - 3 * GiB) // per_block
     assert report.memory.activation_peak_bytes == 2 * GiB and "gpu_memory_utilization=0.9" in report.describe()
@@ -189,3 +195,24 @@ def test_profile_forward_runs_the_largest_step(kind):
         "llama_gqa": {"decoder": (3, 64)},
     }[kind]
     assert backend.planned == [expected]
+
+
+def test_a_second_engine_does_not_count_the_first_as_its_weights():
+    """Another engine of this process holds 30 GiB: the second one's own weights are 1 GiB."""
+    reader = FakeReader(weights=31 * GiB, activations=2 * GiB, free=40 * GiB, total=80 * GiB, reserved=32 * GiB)
+    report = pool("cuda", run_profile_forward=reader.forward, reader=reader, gpu_memory_utilization=0.4,
+                  model_bytes=GiB)
+    per_block = bytes_per_block(WHISPER_TINY, 16, torch.float16)
+    assert report.memory.free_bytes == 41 * GiB and report.memory.model_bytes == GiB
+    assert report.num_blocks == (int(80 * GiB * 0.4) - 3 * GiB) // per_block
+
+
+def test_weight_bytes_counts_tied_tensors_once():
+    from encdec_engine.worker.kv_sizing import weight_bytes
+
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    model.register_buffer("scale", torch.ones(3, dtype=torch.float16))
+    assert weight_bytes(model) == 10 * 4 * 4 + 3 * 2

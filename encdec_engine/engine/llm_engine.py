@@ -21,7 +21,7 @@ from encdec_engine.outputs import CompletionOutput, RequestOutput
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
 from encdec_engine.worker.cuda_graphs import graph_batch_sizes
-from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool
+from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool, weight_bytes
 from encdec_engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ class LLMEngine:
             run_profile_forward=lambda: profile_forward(self.model, loaded.backend, bs, self.device, budget,
                                                         config.max_num_seqs, self.max_decoder_len),
             cross_positions=(self.model.encoder_num_positions(loaded.max_encoder_len)
-                             if self.model.is_encoder_decoder else None))
+                             if self.model.is_encoder_decoder else None),
+            model_bytes=weight_bytes(self.model))
         logger.info("%s", self.kv_pool.describe())
         num_blocks = self.kv_pool.num_blocks
         num_swap = int(config.swap_space_gb * _GiB // per_block)

@@ -35,26 +35,36 @@ _MiB = 1 << 20
 
 
 def num_kv_blocks_for_memory(
-    free_bytes: int,  # device memory free for this engine before it loaded anything
+    free_bytes: int,  # device memory free for this engine now, its weights loaded
     total_bytes: int,  # device capacity
-    gpu_memory_utilization: float,  # fraction of the device this engine may hold in all
-    model_bytes: int,  # weights
+    gpu_memory_utilization: float,  # fraction of the device this engine may hold in all (vLLM: per instance)
+    model_bytes: int,  # this engine's weights
     activation_peak_bytes: int,  # peak extra memory of the largest step (profiled, without KV)
     bytes_per_block: int,  # one block across all layers, K and V
 ) -> int:
-    """Whole KV blocks that fit in the engine's share after weights and activations."""
+    """Whole KV blocks that fit in the engine's share after weights and activations.
+
+    The share is `gpu_memory_utilization` of the device whatever else runs on it; when
+    other processes (or engines) leave less than that free, this is an error, as in vLLM,
+    rather than a pool that takes every free byte and leaves no headroom.
+    """
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if bytes_per_block <= 0:
         raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
-    share = min(int(total_bytes * gpu_memory_utilization), free_bytes)
+    share = int(total_bytes * gpu_memory_utilization)
+    if share - model_bytes > free_bytes:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization:g} gives this engine {_gib(share)} of "
+            f"{_gib(total_bytes)}, but with its {_gib(model_bytes)} of weights loaded only {_gib(free_bytes)} are "
+            "free (other processes or engines hold the rest); lower gpu_memory_utilization or free the device")
     kv_bytes = share - model_bytes - activation_peak_bytes
     blocks = kv_bytes // bytes_per_block
     if blocks < 1:
         raise ValueError(
-            f"no room for the KV cache: {_gib(share)} usable ({gpu_memory_utilization:.0%} of {_gib(total_bytes)}, "
-            f"{_gib(free_bytes)} free) minus {_gib(model_bytes)} of weights and {_gib(activation_peak_bytes)} of "
-            "activations leaves less than one block; raise gpu_memory_utilization or lower max_num_batched_tokens")
+            f"no room for the KV cache: {_gib(share)} ({gpu_memory_utilization:.0%} of {_gib(total_bytes)}) "
+            f"minus {_gib(model_bytes)} of weights and {_gib(activation_peak_bytes)} of activations leaves less "
+            "than one block; raise gpu_memory_utilization or lower max_num_batched_tokens")
     return int(blocks)
 
 
@@ -62,10 +72,10 @@ def num_kv_blocks_for_memory(
 class MemoryProfile:
     """Measurements of one profiling forward pass (bytes)."""
 
-    free_bytes: int  # free for this engine: device free memory plus what this process's allocator holds
+    free_bytes: int  # free for this engine, its weights loaded: device free plus this process's cached, unused memory
     total_bytes: int
-    model_bytes: int  # allocated before the forward pass: the weights
-    activation_peak_bytes: int  # peak allocation during the forward pass, above the weights
+    model_bytes: int  # this engine's weights
+    activation_peak_bytes: int  # peak allocation during the forward pass, above what was allocated before
 
 
 class MemoryReader(Protocol):
@@ -106,23 +116,33 @@ def profile_free_memory(
     device: torch.device,
     run_profile_forward: Callable[[], None],  # the largest step the scheduler may run, without KV cache
     reader: MemoryReader | None = None,
+    model_bytes: int | None = None,  # this engine's weights; None: everything allocated so far
 ) -> MemoryProfile:
-    """Measure weights, the activation peak of `run_profile_forward`, and the memory free for this engine.
+    """Measure the activation peak of `run_profile_forward` and the memory free for this engine.
 
     Call with the weights loaded and before the KV pool exists. Memory this
-    process's caching allocator holds counts as free for the engine; memory of
-    other processes and of the CUDA context does not.
+    process's caching allocator holds but does not use counts as free; memory
+    other engines of this process, other processes and the CUDA context use does not.
     """
     reader = reader or CudaMemoryReader(device)
     reader.synchronize()
     reader.reset_peak_memory_stats()
-    model_bytes = reader.memory_allocated()
+    before = reader.memory_allocated()
     run_profile_forward()
     reader.synchronize()
     peak = reader.max_memory_allocated()
     free, total = reader.mem_get_info()
-    return MemoryProfile(free_bytes=free + reader.memory_reserved(), total_bytes=total, model_bytes=model_bytes,
-                         activation_peak_bytes=max(0, peak - model_bytes))
+    return MemoryProfile(free_bytes=free + reader.memory_reserved() - reader.memory_allocated(), total_bytes=total,
+                         model_bytes=before if model_bytes is None else model_bytes,
+                         activation_peak_bytes=max(0, peak - before))
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (tied tensors once)."""
+    seen: dict[int, int] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 @torch.inference_mode()
@@ -184,6 +204,7 @@ def size_kv_pool(
     run_profile_forward: Callable[[], None],  # e.g. a closure over `profile_forward`
     cross_positions: int | None,  # one full request's cross cache; None for decoder-only models
     reader: MemoryReader | None = None,
+    model_bytes: int | None = None,  # this engine's weights (profile_free_memory)
 ) -> KVPoolReport:
     """The KV pool's size: configured, or on CUDA whatever the profiled step leaves."""
     report = dict(spec=spec, block_size=block_size, dtype=dtype, cross_positions=cross_positions)
@@ -192,7 +213,7 @@ def size_kv_pool(
     if kv_cache_space_gb is not None or device.type != "cuda":
         gb = DEFAULT_KV_CACHE_GB if kv_cache_space_gb is None else kv_cache_space_gb
         return KVPoolReport(num_blocks=max(1, int(gb * _GiB) // bytes_per_block(spec, block_size, dtype)), **report)
-    memory = profile_free_memory(device, run_profile_forward, reader)
+    memory = profile_free_memory(device, run_profile_forward, reader, model_bytes)
     blocks = num_kv_blocks_for_memory(memory.free_bytes, memory.total_bytes, gpu_memory_utilization,
                                       memory.model_bytes, memory.activation_peak_bytes,
                                       bytes_per_block(spec, block_size, dtype))
