@@ -248,6 +248,10 @@ def test_completion_stream(bart_server):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    counted = list(client.completions.create(model="bart", prompt=prompt, temperature=0.0, max_tokens=16, stream=True,
+                                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    so_far = [c.usage.completion_tokens for c in counted[:-1]]  # vLLM: the usage so far on every chunk
+    assert so_far == sorted(so_far) and so_far[-1] == 16 and counted[-1].usage.completion_tokens == 16
     # A stop string is never streamed, even in part.
     stop = full[len(full) // 2: len(full) // 2 + 2]
     expected = full[: full.find(stop)]

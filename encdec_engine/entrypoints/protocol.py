@@ -51,6 +51,7 @@ def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False  # a last chunk with `usage` and no choices
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far too
 
 
 def _is_token_list(value: Any) -> bool:

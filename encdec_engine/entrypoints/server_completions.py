@@ -85,6 +85,9 @@ async def _completion_stream(st: ServerState, body: P.CompletionRequest, request
     sent_tokens: dict[int, int] = defaultdict(int)
     done: set[int] = set()
     finals: dict[int, RequestOutput] = {}
+    latest: dict[int, RequestOutput] = {}  # per prompt, for continuous usage stats
+    options = body.stream_options
+    continuous = options is not None and options.continuous_usage_stats
     created = int(time.time())
     try:
         item = first
@@ -106,12 +109,15 @@ async def _completion_stream(st: ServerState, body: P.CompletionRequest, request
                 sent_text[key], sent_tokens[key] = prev + delta, len(c.token_ids)
                 if c.finish_reason is not None:
                     done.add(key)
+            latest[i] = out
             if choices:
-                yield sse(P.CompletionResponse(id=request_id, created=created, model=st.model_name, choices=choices))
+                usage = P.usage_of(list(latest.values())) if continuous else None
+                yield sse(P.CompletionResponse(id=request_id, created=created, model=st.model_name, choices=choices,
+                                               usage=usage))
             if out.finished:
                 finals[i] = out
             item = await next_output()
-        if body.stream_options is not None and body.stream_options.include_usage:
+        if options is not None and options.include_usage:
             yield sse(P.CompletionResponse(id=request_id, created=created, model=st.model_name, choices=[],
                                            usage=P.usage_of(list(finals.values()))))
         yield "data: [DONE]\n\n"
