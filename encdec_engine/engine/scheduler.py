@@ -142,7 +142,8 @@ class Scheduler:
             if num_seqs + n > self.config.max_num_seqs:
                 running.append(group)  # over the sequence budget: waits for the next step
                 continue
-            if not self.block_manager.can_ever_append_slots(group):
+            bm = self.block_manager
+            if not bm.can_append_slots(group) and not bm.can_ever_append_slots(group):
                 self._ignore(group, out)  # it has outgrown the pool: nothing to preempt would help
                 continue
             while not self.block_manager.can_append_slots(group):
