@@ -157,3 +157,51 @@ def test_stop_token_ids_end_beams_as_extra_eos_ids_do_in_hf(bart_path, make_llm)
         ref = hf_beams(model, o.encoder_prompt_token_ids, o.prompt_token_ids, 12, 3, 2, eos_token_id=[2, stop])
         cut = [r[: next((i + 1 for i, t in enumerate(r) if t == stop), len(r))] for r in ref]  # HF pads after it
         assert [c.token_ids for c in o.outputs] == cut
+
+
+def _outputs(llm, prompts, params) -> list[list[list[int]]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.num_free_blocks() == llm.engine.num_total_blocks()
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_requests_sharing_a_cached_block_swap_out_in_one_step(bart_path, make_llm):
+    """Each swaps out its own copy of the shared block (a dict keyed by device block lost one)."""
+    enc = {"prompt_token_ids": [0, 325, 565, 2]}  # one encoder input: one cached cross block for all three
+    prompts = [{"encoder_prompt": enc, "decoder_prompt": {"prompt_token_ids": dec}} for dec in
+               ([2, 0, 396, 345, 307, 149, 6, 299, 524], [2, 0, 355, 586, 139, 430],
+                [2, 0, 355, 586, 139, 430, 439, 186, 381, 172, 286, 37])]
+    params = [SamplingParams(n=4, best_of=6, temperature=3.0, seed=347, max_tokens=16),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
+    roomy = _outputs(make_llm(bart_path, num_kv_blocks=600, block_size=4), prompts, params)
+    tight = make_llm(bart_path, num_kv_blocks=10, block_size=4, swap_space_gb=0.001)
+    before = tight.engine.scheduler.num_preemptions
+    assert _outputs(tight, prompts, params)[1:] == roomy[1:]  # the first outgrows this pool: it ends early
+    assert tight.engine.scheduler.num_preemptions > before
+
+
+@pytest.mark.parametrize("config", [dict(num_kv_blocks=20, enable_prefix_caching=False),
+                                    dict(num_kv_blocks=20, enable_prefix_caching=True),
+                                    dict(num_kv_blocks=22, max_num_batched_tokens=64)],
+                         ids=["caching_off", "caching_on", "small_prefill_budget"])
+def test_a_recomputed_fork_group_shares_its_prefix_and_is_not_cut_short(config, bart_path, make_llm):
+    """Its forks are prefilled together, sharing full prompt blocks, as they did before preemption."""
+    a = ({"encoder_prompt": {"prompt_token_ids": [0, 325, 565, 2]},
+          "decoder_prompt": {"prompt_token_ids": [2, 0] + list(range(100, 110))}},
+         SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True))
+    b = ({"prompt_token_ids": [0, 400, 401, 402, 2]}, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    llm = make_llm(bart_path, block_size=4, **config)
+    alone = _outputs(llm, [a[0]], [a[1]])[0]
+    before = llm.engine.scheduler.num_preemptions
+    together = _outputs(llm, [b[0], a[0]], [b[1], a[1]])  # b is older: a is preempted
+    assert llm.engine.scheduler.num_preemptions > before
+    assert together[1] == alone and all(len(t) == 16 for t in alone)
+
+
+def test_fanout_over_max_num_seqs_is_refused_not_hung(bart_path, make_llm):
+    llm = make_llm(bart_path, num_kv_blocks=200, max_num_seqs=2)
+    for params in (SamplingParams(n=3, temperature=1.0), SamplingParams(n=1, best_of=3, temperature=1.0),
+                   SamplingParams(num_beams=3, temperature=0.0)):
+        with pytest.raises(ValueError, match="runs 3 sequences .* max_num_seqs is 2"):
+            llm.generate(["The rain"], params, use_tqdm=False)

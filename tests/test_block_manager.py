@@ -132,3 +132,39 @@ def test_reset_frees_everything():
 @pytest.mark.parametrize("n_tokens,expected", [(0, 0), (1, 1), (4, 1), (5, 2), (16, 4)])
 def test_blocks_for(n_tokens, expected):
     assert blocks_for(n_tokens, BS) == expected
+
+
+def test_append_need_counts_one_copy_less_than_the_writers_of_a_shared_block():
+    """Two forks write into their shared partial block: one copies, the last writes in place."""
+    from encdec_engine.sampling_params import SamplingParams
+    from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+    bm = BlockManager(4, 8)
+    parent = Sequence(1, [5, 6, 7, 8, 9])  # 2 blocks, the second partial
+    group = SequenceGroup("g", [parent], SamplingParams(), 0.0)
+    bm.allocate(group)
+    parent.status = SequenceStatus.RUNNING
+    parent.data.num_computed_tokens = 5
+    child = parent.fork(2)
+    bm.fork(parent, child)
+    group.seqs.append(child)
+    for seq, token in ((parent, 10), (child, 11)):
+        seq.append_token(token, 0.0, None)
+    assert bm.append_need(group) == 1
+    copies = [bm.append_slots(s) for s in group.seqs]
+    assert sum(c is not None for c in copies) == 1 and bm.get_num_free_device_blocks() == 8 - 3
+
+
+def test_swap_in_counts_only_the_swapped_sequences():
+    """A finished sequence's device blocks (ids of the other pool) do not inflate the need."""
+    from encdec_engine.sampling_params import SamplingParams
+    from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+    bm = BlockManager(4, 6, num_swap_blocks=6)
+    running, done = Sequence(1, [5] * 6), Sequence(2, [6] * 6)
+    group = SequenceGroup("g", [running, done], SamplingParams(n=2), 0.0)
+    bm.allocate(group)  # 2 blocks each
+    running.status, done.status = SequenceStatus.RUNNING, SequenceStatus.FINISHED_STOPPED
+    running.data.num_computed_tokens = 6
+    bm.swap_out(group)
+    assert bm.can_swap_in(group).name == "OK"  # needs 2 blocks; 4 are free

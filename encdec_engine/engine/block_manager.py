@@ -147,15 +147,49 @@ class BlockManager:
             blocks.update(self.block_tables.get(seq.seq_id, ()))
         return len(blocks)
 
-    def _blocks_needed(self, group: SequenceGroup) -> int:
-        needed = sum(blocks_for(len(s), self.block_size) for s in group.get_seqs(SequenceStatus.WAITING))
+    def _self_key(self, group: SequenceGroup) -> bytes | None:
+        """The content-key namespace of the group's self blocks. With caching on: its encoder input
+        (decoder-only prompts share one). Off: a key of its own when several sequences are
+        prefilled together (a forked request recomputed), so they share their common prefix."""
+        if self.enable_caching:
+            return group.encoder_seq.cache_key if group.encoder_seq is not None else b"decoder-only"
+        if len(group.get_seqs(SequenceStatus.WAITING)) > 1:
+            return chain_hash(b"group", group.request_id)
+        return None
+
+    def _self_hashes(self, tokens: list[int], key: bytes) -> list[bytes]:
+        """Chain keys of the full blocks before the one holding the last token (it is computed for logits)."""
+        bs, hashes = self.block_size, []
+        previous = chain_hash(key, "self")
+        for i in range((len(tokens) - 1) // bs):
+            previous = chain_hash(previous, tokens[i * bs : (i + 1) * bs])
+            hashes.append(previous)
+        return hashes
+
+    def prefill_need(self, group: SequenceGroup) -> tuple[int, int]:
+        """(blocks, decoder tokens to compute) of the group's waiting sequences, a later sequence
+        reusing the full prefix blocks an earlier one of the group computes (blocks cached by
+        other groups, which `allocate` also reuses, are not counted off: an upper bound)."""
+        key, bs = self._self_key(group), self.block_size
+        blocks = tokens = 0
+        seen: set[bytes] = set()
+        for seq in group.get_seqs(SequenceStatus.WAITING):
+            shared = 0
+            if key is not None:
+                hashes = self._self_hashes(seq.data.token_ids, key)
+                reusable = hashes if group.no_speech_position is None else hashes[: group.no_speech_position // bs]
+                while shared < len(reusable) and reusable[shared] in seen:
+                    shared += 1
+                seen.update(hashes)
+            blocks += blocks_for(len(seq), bs) - shared
+            tokens += seq.num_new_tokens - shared * bs
         if group.encoder_seq is not None:
-            needed += blocks_for(group.encoder_seq.num_positions, self.block_size)
-        return needed
+            blocks += blocks_for(group.encoder_seq.num_positions, bs)
+        return blocks, tokens
 
     # -- allocation ----------------------------------------------------------
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        needed = self._blocks_needed(group)
+        needed = self.prefill_need(group)[0]
         if needed > self.device.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.device.num_free - needed >= self.watermark_blocks:
@@ -169,13 +203,15 @@ class BlockManager:
         those cross blocks (`group.encoder_cached`: the encoder is skipped), and
         each sequence reuses the longest cached run of full self blocks with the
         same encoder input and decoder prefix (`num_computed_tokens` moves past them).
+        Sequences prefilled together (a forked request recomputed after preemption)
+        share their common full prefix blocks, caching on or off: the first computes
+        them in this step, the others read them.
         """
         enc = group.encoder_seq
-        key = None
-        if self.enable_caching:  # decoder-only prompts share prefixes under one fixed key
-            key = enc.cache_key if enc is not None else b"decoder-only"
+        self_key = self._self_key(group)
         for seq in group.get_seqs(SequenceStatus.WAITING):
-            self.block_tables[seq.seq_id] = self._allocate_self(seq, key, group.no_speech_position)
+            self.block_tables[seq.seq_id] = self._allocate_self(seq, self_key, group.no_speech_position)
+        key = enc.cache_key if self.enable_caching and enc is not None else None
         if enc is not None and group.request_id not in self.cross_block_tables:
             n = blocks_for(enc.num_positions, self.block_size)
             hashes = [chain_hash(key, "cross", i) for i in range(n)] if key is not None else []
@@ -197,15 +233,11 @@ class BlockManager:
     def _allocate_self(self, seq: Sequence, key, compute_from: int | None = None) -> list[int]:
         """The sequence's self table, reusing cached full blocks before position `compute_from`
         (default: the last token, which must be computed for its logits)."""
-        bs, tokens = self.block_size, seq.data.token_ids
+        bs = self.block_size
         table: list[int] = []
         hashes: list[bytes] = []
         if key is not None:
-            previous = chain_hash(key, "self")
-            # Full blocks only, and never the block holding the last token: it must be computed for logits.
-            for i in range((len(tokens) - 1) // bs):
-                previous = chain_hash(previous, tokens[i * bs : (i + 1) * bs])
-                hashes.append(previous)
+            hashes = self._self_hashes(seq.data.token_ids, key)
             self.cache_stats["self_queries"] += 1
             reusable = hashes if compute_from is None else hashes[: compute_from // bs]
             for h in reusable:
@@ -223,16 +255,21 @@ class BlockManager:
             table.append(block)
         return table
 
-    def append_need(self, group: SequenceGroup) -> int:
-        """Blocks `append_slots` may take for the running sequences: a new block at a
-        block boundary, a copy where the receiving block is shared (an upper bound:
-        the last of the sharers writes in place)."""
+    def append_need(self, group: SequenceGroup, status: SequenceStatus = SequenceStatus.RUNNING) -> int:
+        """Device blocks `append_slots` takes for the group's sequences in `status` (their tables in
+        the swap pool for SWAPPED): a new block at a block boundary, and a copy for each writer of a
+        shared block but the last, when no other group holds it too."""
+        pool = self.swap if status == SequenceStatus.SWAPPED else self.device
         need = 0
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+        writers: dict[int, int] = {}  # shared block -> sequences of this group writing into it
+        for seq in group.get_seqs(status):
             table = self.block_tables[seq.seq_id]
             need += max(0, blocks_for(len(seq), self.block_size) - len(table))
             idx = seq.data.num_computed_tokens // self.block_size
-            need += idx < len(table) and self.device.ref_count(table[idx]) > 1
+            if idx < len(table) and pool.ref_count(table[idx]) > 1:
+                writers[table[idx]] = writers.get(table[idx], 0) + 1
+        for block, n in writers.items():
+            need += n - (pool.ref_count(block) == n)
         return need
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
@@ -297,7 +334,11 @@ class BlockManager:
         return self.group_blocks(group) <= self.swap.num_free
 
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
-        needed = self.group_blocks(group) + len(group.get_seqs(SequenceStatus.SWAPPED))
+        rid = group.request_id
+        swapped = set(self.cross_block_tables.get(rid, ()) if rid in self._swapped_cross else ())
+        for seq in group.get_seqs(SequenceStatus.SWAPPED):
+            swapped.update(self.block_tables[seq.seq_id])
+        needed = len(swapped) + self.append_need(group, SequenceStatus.SWAPPED)
         if needed > self.device.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         return AllocStatus.OK if self.device.num_free - needed >= self.watermark_blocks else AllocStatus.LATER

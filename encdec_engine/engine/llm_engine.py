@@ -121,6 +121,9 @@ class LLMEngine:
             raise ValueError(f"max_tokens {params.max_tokens} plus the {prompt_len}-token decoder prompt is more "
                              f"than the model's limit of {self.max_decoder_len} positions; ask for at most "
                              f"{self.max_decoder_len - prompt_len}")
+        fanout, max_seqs = max(params.best_of, params.num_beams), self.scheduler.config.max_num_seqs
+        if fanout > max_seqs:
+            raise ValueError(f"the request runs {fanout} sequences (best_of/num_beams) but max_num_seqs is {max_seqs}")
         bs, total = self.config.block_size, self.block_manager.num_total_device_blocks
         cross = blocks_for(encoder_seq.num_positions, bs) if encoder_seq is not None else 0
         # The prompt's blocks, plus one copied block per forked sequence.
@@ -179,6 +182,8 @@ class LLMEngine:
             for target, sample in zip(targets, result):
                 target.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
                 self._check_stop(target, group)
+                if target.is_finished():  # its blocks go back now, not when the whole group is done
+                    self.block_manager.free(target)
         for group, rows in beam_rows.values():
             self._beam_step(group, rows)
         self.stats["generated_tokens"] += sum(len(m.seq_data) for m in metadata)

@@ -39,8 +39,10 @@ class SchedulerOutput:
     groups: list[SequenceGroup] = field(default_factory=list)
     is_prompt: bool = False
     num_batched_tokens: int = 0
-    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
-    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    # (source, destination) pairs, not dicts: groups that share a device block (cached prefixes)
+    # each swap out their own copy of it.
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     ignored: list[SequenceGroup] = field(default_factory=list)  # can never fit the pool: finished as "length"
     num_preempted: int = 0
@@ -97,7 +99,7 @@ class Scheduler:
         return [self._metadata(g, out.is_prompt) for g in out.groups], out
 
     def _prefill_cost(self, group: SequenceGroup) -> int:
-        cost = sum(s.num_new_tokens for s in group.get_seqs(SequenceStatus.WAITING))
+        cost = self.block_manager.prefill_need(group)[1]
         if group.encoder_seq is not None:
             cost += group.encoder_seq.num_positions
         return cost
@@ -113,6 +115,8 @@ class Scheduler:
                 self._ignore(group, out)
                 continue
             n = group.num_unfinished_seqs()
+            if len(group.seqs) == 1:  # not forked yet: it will run best_of samples or num_beams beams
+                n = max(n, group.sampling_params.best_of, group.sampling_params.num_beams)
             if (
                 status == AllocStatus.LATER
                 or out.num_batched_tokens + cost > self.config.max_num_batched_tokens
@@ -175,7 +179,7 @@ class Scheduler:
             if status == AllocStatus.LATER:
                 break
             self.swapped.popleft()
-            out.blocks_to_swap_in.update(self.block_manager.swap_in(group))
+            out.blocks_to_swap_in.extend(self.block_manager.swap_in(group).items())
             for seq in group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
@@ -195,7 +199,7 @@ class Scheduler:
             can_swap = self.block_manager.num_total_swap_blocks and self.block_manager.can_swap_out(group)
             mode = PreemptionMode.SWAP if can_swap else PreemptionMode.RECOMPUTE
         if mode == PreemptionMode.SWAP and self.block_manager.can_swap_out(group):
-            out.blocks_to_swap_out.update(self.block_manager.swap_out(group))
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(group).items())
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(group)

@@ -44,13 +44,13 @@ class CacheEngine:
             else []
         )
 
-    def swap_out(self, mapping: dict[int, int]) -> None:
-        """Copy device blocks to swap blocks (device id -> swap id)."""
-        self._move(self.kv_caches, self.swap_caches, mapping)
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to swap blocks ((device id, swap id) pairs; a device block may go to several)."""
+        self._move(self.kv_caches, self.swap_caches, pairs)
 
-    def swap_in(self, mapping: dict[int, int]) -> None:
-        """Copy swap blocks back to device blocks (swap id -> device id)."""
-        self._move(self.swap_caches, self.kv_caches, mapping)
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy swap blocks back to device blocks ((swap id, device id) pairs)."""
+        self._move(self.swap_caches, self.kv_caches, pairs)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate device blocks (src -> dst) in every layer."""
@@ -62,10 +62,10 @@ class CacheEngine:
             cache[:, dst] = cache[:, src]
 
     @staticmethod
-    def _move(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], mapping: dict[int, int]) -> None:
-        if not mapping:
+    def _move(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
             return
-        src_ids = torch.tensor(list(mapping.keys()))
-        dst_ids = torch.tensor(list(mapping.values()))
+        src_ids = torch.tensor([s for s, _ in pairs])
+        dst_ids = torch.tensor([d for _, d in pairs])
         for src, dst in zip(src_caches, dst_caches):
             dst[:, dst_ids.to(dst.device)] = src[:, src_ids.to(src.device)].to(dst.device)
