@@ -62,7 +62,7 @@ def test_bad_prompt_in_a_batch_names_its_index_and_runs_nothing(llm):
     assert llm.generate(["still serving"], GREEDY, use_tqdm=False)[0].finished
 
 
-def test_bad_request_rejected_while_others_keep_running(llm):
+def test_bad_request_rejected_while_others_keep_running(llm, bart_path, make_llm):
     engine = llm.engine
     prompts = ["The rain in spain", "falls mainly on the plain", "meeting notes quickly"]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
@@ -75,8 +75,11 @@ def test_bad_request_rejected_while_others_keep_running(llm):
             engine.add_request("bad", bad, GREEDY)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok0", "dup", GREEDY)
-    with pytest.raises(ValueError, match="KV blocks"):
-        engine.add_request("huge", {"prompt_token_ids": [5] * 256}, SamplingParams(max_tokens=2, best_of=300, n=1))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine.add_request("wide", "x", SamplingParams(max_tokens=2, best_of=300, n=1))
+    small = make_llm(bart_path, num_kv_blocks=20).engine  # 16 cross blocks + 1 + 7 forks > 20
+    with pytest.raises(ValueError, match="needs 24 KV blocks \\(16 cross\\) but the pool has only 20"):
+        small.add_request("huge", {"prompt_token_ids": [5] * 256}, SamplingParams(max_tokens=2, best_of=8, n=1))
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
