@@ -106,18 +106,19 @@ class Transcriber:
             if special:
                 raise ValueError(f"initial_prompt contains special-token text "
                                  f"{self.tokenizer.convert_ids_to_tokens(special)}; write it without <|...|> tokens")
+        self.language = None if options.language is None else language_code(options.language)  # "English" -> "en"
         if options.language is not None:
             self.tokens.decoder_prompt(options.language, options.task)  # validates language and task
 
     # -- driving the engine --------------------------------------------------
     def run(self, inputs: list, use_tqdm: bool = False, max_in_flight: int | None = None) -> list[Transcription]:
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1 (or None: every input at once), got {max_in_flight}")
         jobs = [self.load(i, x) for i, x in enumerate(inputs)]
         queue = [j for j in jobs if j.error is None]
         in_flight: dict[str, TranscriptionJob] = {}
         bar = tqdm(total=round(sum(j.duration for j in jobs), 1), unit="s", desc="Transcribing", disable=not use_tqdm)
         files_done, bar_files = 0, len(queue)
-        if max_in_flight is not None and max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be at least 1 (or None: every input at once), got {max_in_flight}")
         limit = max_in_flight or len(queue) or 1
         try:
             while queue or in_flight:
@@ -151,8 +152,7 @@ class Transcriber:
     def load(self, index: int, item) -> TranscriptionJob:
         """Read one input (path, array, or (samples, rate)); a bad one gets `error` set."""
         source = str(item) if isinstance(item, (str, Path)) else None
-        language = language_code(self.options.language) if self.options.language is not None else None
-        job = TranscriptionJob(index, source, language=language)
+        job = TranscriptionJob(index, source, language=self.language)
         try:
             job.samples = audio_samples(item)
         except ValueError as e:  # AudioError included

@@ -170,10 +170,11 @@ class BlockManager:
         """(blocks, decoder tokens to compute) of the group's waiting sequences, a later sequence
         reusing the full prefix blocks an earlier one of the group computes (blocks cached by
         other groups, which `allocate` also reuses, are not counted off: an upper bound)."""
-        key, bs = self._self_key(group), self.block_size
+        waiting, bs = group.get_seqs(SequenceStatus.WAITING), self.block_size
+        key = self._self_key(group) if len(waiting) > 1 else None  # one sequence has nothing to share
         blocks = tokens = 0
         seen: set[bytes] = set()
-        for seq in group.get_seqs(SequenceStatus.WAITING):
+        for seq in waiting:
             shared = 0
             if key is not None:
                 hashes = self._self_hashes(seq.data.token_ids, key)

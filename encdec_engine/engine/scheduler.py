@@ -146,16 +146,17 @@ class Scheduler:
             if num_seqs + n > self.config.max_num_seqs:
                 running.append(group)  # over the sequence budget: waits for the next step
                 continue
-            bm = self.block_manager
-            if not bm.can_append_slots(group) and not bm.can_ever_append_slots(group):
+            fits = self.block_manager.can_append_slots(group)
+            if not fits and not self.block_manager.can_ever_append_slots(group):
                 self._ignore(group, out)  # it has outgrown the pool: nothing to preempt would help
                 continue
-            while not self.block_manager.can_append_slots(group):
+            while not fits:
                 # Preempt the newest group; if that is this one, stop here.
                 victim = queue.pop() if queue else group
                 self._preempt(victim, out)
                 if victim is group:
                     break
+                fits = self.block_manager.can_append_slots(group)
             else:
                 # Append right away so the next group's check sees the blocks taken.
                 for seq in group.get_seqs(SequenceStatus.RUNNING):
