@@ -46,8 +46,15 @@ class TranscribeOptions:
     compression_ratio_threshold: float | None = 2.4  # above: the window looped, retry hotter
     logprob_threshold: float | None = -1.0  # mean token log-probability below: retry hotter
     no_speech_threshold: float | None = 0.6  # no-speech probability above (and an improbable text): skip
+    beam_size: int = 1  # beams per window at temperature 0 (1: greedy, as HF generate's default)
     best_of: int = 5  # samples per window when temperature > 0
     seed: int = 0  # sampling at temperature > 0 is seeded per window: reruns give the same text
+
+    def __post_init__(self) -> None:
+        for name in ("beam_size", "best_of"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
 
 
 def compression_ratio(text: str) -> float:
@@ -107,6 +114,10 @@ class Transcriber:
                 raise ValueError(f"initial_prompt contains special-token text "
                                  f"{self.tokenizer.convert_ids_to_tokens(special)}; write it without <|...|> tokens")
         self.language = None if options.language is None else language_code(options.language)  # "English" -> "en"
+        max_seqs = engine.scheduler.config.max_num_seqs
+        for name in ("beam_size", "best_of"):
+            if getattr(options, name) > max_seqs:
+                raise ValueError(f"{name} {getattr(options, name)} is more than the engine's max_num_seqs {max_seqs}")
         if options.language is not None:
             self.tokens.decoder_prompt(options.language, options.task)  # validates language and task
 
@@ -197,10 +208,11 @@ class Transcriber:
     def _params(self, job: TranscriptionJob, prompt_len: int) -> SamplingParams:
         temperature = self.options.temperatures[job.temperature_index]
         sampled = temperature > 0
+        beams = 1 if sampled else self.options.beam_size  # openai-whisper: beams at 0, best_of samples above
         return SamplingParams(
-            temperature=temperature, n=1, best_of=self.options.best_of if sampled else 1,
+            temperature=temperature, n=1, best_of=self.options.best_of if sampled else 1, num_beams=beams,
             seed=self.options.seed + 1000 * job.index + job.window if sampled else None,
-            max_tokens=self._max_tokens(prompt_len), logprobs=0, skip_special_tokens=True,
+            max_tokens=self._max_tokens(prompt_len), logprobs=0 if beams == 1 else None, skip_special_tokens=True,
             no_speech_token_id=self.tokens.no_speech,
             suppress_tokens=self.suppress, begin_suppress_tokens=self.begin_suppress,
             logits_processors=[self.timestamp_rules] if self.options.timestamps else None,

@@ -72,6 +72,7 @@ def test_bad_destinations_and_options_fail_before_any_work(tmp_path):
         (one + ["--output-dir", str(AUDIO / "weather.wav")], "exists and is not a directory"),
         (two + ["--output-dir", str(tmp_path / "out")], "would both be written as x.*"),
         (one + ["--batch-size", "-1"], "--batch-size must be at least 1"),
+        (one + ["--beam-size", "0"], "beam_size must be an integer of at least 1"),
     ]
     for args, message in cases:
         r = encdec("transcribe", "--quiet", *args)

@@ -84,7 +84,8 @@ def test_timestamps_give_ordered_segments_within_the_audio(tiny_en):
         assert [s.start for s in result.segments] == sorted(s.start for s in result.segments)
 
 
-def test_long_form_transcribes_to_the_end(tiny_en, monkeypatch):
+@pytest.mark.parametrize("beam_size", [1, 5])
+def test_long_form_transcribes_to_the_end(beam_size, tiny_en, monkeypatch):
     engine, prompts = tiny_en.engine, []
     add = engine.add_request
 
@@ -93,7 +94,7 @@ def test_long_form_transcribes_to_the_end(tiny_en, monkeypatch):
         return add(request_id, prompt, params, *args)
 
     monkeypatch.setattr(engine, "add_request", recording_add)
-    result = tiny_en.transcribe(AUDIO / "long_meeting.flac")[0]
+    result = tiny_en.transcribe(AUDIO / "long_meeting.flac", beam_size=beam_size)[0]
     monkeypatch.undo()
     assert result.duration > 60
     # As openai-whisper: a window is conditioned on the tokens of the segments kept so far, nothing else.
@@ -253,6 +254,35 @@ def test_beam_search_matches_hf_on_tiny_en(tiny_en, hf_tiny_en):
         with torch.no_grad():
             ref = hf_tiny_en.generate(input_features=f[None], num_beams=4, return_dict_in_generate=True)
         assert out.prompt_token_ids + out.outputs[0].token_ids == ref.sequences[0].tolist()
+
+
+def test_transcribe_beam_size_matches_hf_beam_search_with_timestamps(tiny_en, hf_tiny_en):
+    names = SHORT_CLIPS[:3]
+    results = tiny_en.transcribe([AUDIO / n for n in names], beam_size=5, temperatures=(0.0,))
+    features = log_mel_spectrogram([load_audio(AUDIO / n) for n in names])
+    for name, result, f in zip(names, results, features):
+        with torch.no_grad():
+            ref = hf_tiny_en.generate(input_features=f[None], num_beams=5, return_timestamps=True)[0].tolist()
+        assert [t for s in result.segments for t in s.tokens] == [t for t in ref if t != 50256], name
+        assert result.segments[0].tokens[0] >= tiny_en.engine.generation_config.no_timestamps_token_id + 1
+
+
+def test_beam_avg_logprob_is_hf_sequence_score(tiny_en, hf_tiny_en):
+    """length_penalty 1: HF's sequences_scores is the summed log-prob over the generated tokens
+    (EOS included), which is the avg_logprob the fallback rule reads."""
+    result = tiny_en.transcribe(AUDIO / "fox.wav", beam_size=4, **EXACT)[0]
+    features = log_mel_spectrogram([load_audio(AUDIO / "fox.wav")])
+    with torch.no_grad():
+        ref = hf_tiny_en.generate(input_features=features, num_beams=4, return_dict_in_generate=True,
+                                  output_scores=True)
+    assert result.segments[0].avg_logprob == pytest.approx(float(ref.sequences_scores[0]), abs=1e-4)
+
+
+@pytest.mark.parametrize("options, match", [(dict(beam_size=0), "beam_size"), (dict(best_of=1.5), "best_of"),
+                                             (dict(beam_size=10_000), "max_num_seqs")])
+def test_bad_beam_options_are_refused(tiny_en, options, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_en.transcribe(AUDIO / "fox.wav", **options)
 
 
 # -- no-speech probability --------------------------------------------------------

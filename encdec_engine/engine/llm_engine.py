@@ -273,7 +273,10 @@ class LLMEngine:
             if self.tokenizer is not None:
                 text = self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
             reason = "stop" if tokens and tokens[-1] in group.beam.eos_token_ids else "length"
-            outputs.append(CompletionOutput(i, text, tokens, score, None, reason))
+            # As vLLM: cumulative_logprob is the beam's summed log-probability; the ranking divided it
+            # by length ** length_penalty (HF's sequences_scores).
+            total = score * max(1, len(tokens)) ** params.length_penalty
+            outputs.append(CompletionOutput(i, text, tokens, total, None, reason))
         return outputs
 
     def _output(self, group: SequenceGroup) -> RequestOutput:

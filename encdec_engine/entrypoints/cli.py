@@ -38,8 +38,15 @@ def _llm(args):
 def cmd_transcribe(args) -> int:
     from encdec_engine.entrypoints.writers import OUTPUT_FORMATS, output_basename, render, write_transcription
 
+    from encdec_engine.transcription import TranscribeOptions
+
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt,
+               "no_speech_threshold": args.no_speech_threshold, "beam_size": args.beam_size, "best_of": args.best_of}
+    if args.temperature is not None:
+        options["temperatures"] = (args.temperature,)
+    TranscribeOptions(**options)  # bad values fail before the model loads
     writes = args.output_dir or args.output_format
     if writes:  # before any work: a bad destination must not cost the transcription
         out_dir = Path(args.output_dir or ".")
@@ -60,10 +67,6 @@ def cmd_transcribe(args) -> int:
 
         args.model = str(import_ct2_whisper(args.model, Path(args.model) / ".encdec-hf"))
     llm = _llm(args)
-    options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt,
-               "no_speech_threshold": args.no_speech_threshold}
-    if args.temperature is not None:
-        options["temperatures"] = (args.temperature,)
     results = llm.transcribe(args.audio, language=args.language, task=args.task, use_tqdm=not args.quiet,
                              max_in_flight=args.batch_size, **options)
     failed = 0
@@ -186,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--output-dir", default=None, help="where to write output files (default: .)")
     tr.add_argument("--batch-size", type=int, default=16, help="files transcribed concurrently")
     tr.add_argument("--temperature", type=float, default=None, help="one fixed temperature (no fallback)")
+    tr.add_argument("--beam-size", type=int, default=1,
+                    help="beams per window at temperature 0 (default 1: greedy; openai-whisper's CLI uses 5)")
+    tr.add_argument("--best-of", type=int, default=5, help="samples per window at temperature > 0")
     tr.add_argument("--without-timestamps", action="store_true", help="decode with <|notimestamps|>")
     tr.add_argument("--initial-prompt", default=None, help="text that conditions the first window")
     tr.add_argument("--no-speech-threshold", type=_optional_float, default=0.6,
