@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -34,6 +35,10 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
     no_speech_prob: float | None = None  # when SamplingParams.no_speech_token_id asked for it
+    # vLLM's prompt_logprobs (SamplingParams.prompt_logprobs): None for the first prompt token, then
+    # {token_id: logprob} with the prompt token and the top-k
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    cross_attentions: Any = None  # torch.Tensor [pairs, prompt tokens, encoder positions] (cross_attention_heads)
 
 
 @dataclass

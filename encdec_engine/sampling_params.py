@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
 _INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "no_repeat_ngram_size", "logprobs",
+               "prompt_logprobs",
                "truncate_prompt_tokens", "num_beams", "forced_bos_token_id", "forced_eos_token_id",
                "no_speech_token_id")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "length_penalty")
@@ -40,6 +41,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF (CTRL) semantics over prompt + output
     no_repeat_ngram_size: int = 0  # HF semantics over the decoder sequence
     logprobs: int | None = None  # top-k logprobs per output token
+    # vLLM: RequestOutput.prompt_logprobs, the raw log-prob of each decoder prompt token given the tokens
+    # before it (None for the first), plus the top-k. The prefill computes the whole prompt (no cached prefix).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep the last k encoder prompt tokens
     # Hugging Face generation-config processors (used by summarize/transcribe).
@@ -51,6 +55,9 @@ class SamplingParams:
     # Whisper: report, as RequestOutput.no_speech_prob, this token's probability right after the decoder
     # start token (<|startoftranscript|>) of the prompt, from the raw logits (openai-whisper's no_speech_prob).
     no_speech_token_id: int | None = None
+    # RequestOutput.cross_attentions: the prefill's cross-attention probabilities of these (layer, head) pairs
+    # of the decoder, [pairs, prompt tokens, encoder positions] (Whisper's alignment heads: word timestamps).
+    cross_attention_heads: list[tuple[int, int]] | None = None
     # Extra processors, applied last: callables (output_token_ids, logits[vocab]) -> None editing in place.
     logits_processors: list | None = None
     # Beam search (HF semantics).
@@ -113,6 +120,14 @@ class SamplingParams:
             fail("no_repeat_ngram_size", "must be non-negative")
         if self.logprobs is not None and self.logprobs < 0:
             fail("logprobs", "must be non-negative")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            fail("prompt_logprobs", "must be non-negative")
+        if self.cross_attention_heads is not None:
+            pairs = self.cross_attention_heads
+            if not pairs or not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, numbers.Integral) and x >= 0 for x in p)
+                                    for p in pairs):
+                fail("cross_attention_heads", "must be a non-empty list of (layer, head) pairs of non-negative integers")
+            self.cross_attention_heads = [(int(layer), int(head)) for layer, head in pairs]
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             fail("truncate_prompt_tokens", "must be at least 1")
         if self.num_beams < 1:
@@ -144,9 +159,10 @@ class SamplingParams:
             bad = [t for t in getattr(self, name) or () if t >= vocab_size]
             if bad:
                 fail(name, bad)
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(f"SamplingParams.logprobs {self.logprobs} is more than the vocabulary's "
-                             f"{vocab_size} tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"SamplingParams.{name} {value} is more than the vocabulary's {vocab_size} tokens")
 
     @property
     def greedy(self) -> bool:

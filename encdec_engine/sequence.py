@@ -142,10 +142,14 @@ class SequenceGroup:
         self.beam: Any = None  # BeamState of a beam-search request
         self.encoder_cached = False  # its cross KV is already in the pool: skip the encoder
         self.max_len: int | None = None  # decoder length limit (prompt + max_tokens, at most the model's)
-        # Prompt position whose next-token distribution gives no_speech_prob (SamplingParams.no_speech_token_id);
-        # the prefill always computes it (never a cached prefix).
+        # Prompt position whose next-token distribution gives no_speech_prob (SamplingParams.no_speech_token_id).
         self.no_speech_position: int | None = None
         self.no_speech_prob: float | None = None  # set by the runner at prefill
+        # The prefill computes the prompt from this position on, never from a cached prefix (a no-speech
+        # probe, prompt logprobs and cross-attention capture need their positions computed).
+        self.prefill_from: int | None = None
+        self.prompt_logprobs: list | None = None  # set by the runner at the first prefill, when asked for
+        self.cross_attentions = None  # [pairs, prompt tokens, encoder positions], likewise
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:

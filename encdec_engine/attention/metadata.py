@@ -102,6 +102,7 @@ class AttentionMetadata:
     encoder: AttentionView | None = None
     cross: AttentionView | None = None
     block_size: int = 16
+    capture: Any = None  # attention.capture.CrossCapture of a prefill that asked for cross-attention probabilities
 
     def view(self, attn_type: AttentionType) -> AttentionView:
         view = {

@@ -178,7 +178,7 @@ class BlockManager:
             shared = 0
             if key is not None:
                 hashes = self._self_hashes(seq.data.token_ids, key)
-                reusable = hashes if group.no_speech_position is None else hashes[: group.no_speech_position // bs]
+                reusable = hashes if group.prefill_from is None else hashes[: group.prefill_from // bs]
                 while shared < len(reusable) and reusable[shared] in seen:
                     shared += 1
                 seen.update(hashes)
@@ -211,7 +211,7 @@ class BlockManager:
         enc = group.encoder_seq
         self_key = self._self_key(group)
         for seq in group.get_seqs(SequenceStatus.WAITING):
-            self.block_tables[seq.seq_id] = self._allocate_self(seq, self_key, group.no_speech_position)
+            self.block_tables[seq.seq_id] = self._allocate_self(seq, self_key, group.prefill_from)
         key = enc.cache_key if self.enable_caching and enc is not None else None
         if enc is not None and group.request_id not in self.cross_block_tables:
             n = blocks_for(enc.num_positions, self.block_size)

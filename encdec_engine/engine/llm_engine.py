@@ -106,6 +106,9 @@ class LLMEngine:
         group = SequenceGroup(request_id, seqs, params, arrival_time or time.monotonic(), inputs.encoder_seq)
         if params.no_speech_token_id is not None:
             group.no_speech_position = self._no_speech_position(inputs.decoder_token_ids, params.no_speech_token_id)
+            group.prefill_from = group.no_speech_position
+        if params.prompt_logprobs is not None or params.cross_attention_heads is not None:
+            group.prefill_from = 0
         prompt_len = len(inputs.decoder_token_ids)
         group.max_len = min(prompt_len + (params.max_tokens or self.max_decoder_len), self.max_decoder_len)
         if params.use_beam_search:  # stop_token_ids end a beam as an EOS does (HF: a list of EOS ids)
@@ -121,6 +124,8 @@ class LLMEngine:
             raise ValueError(f"max_tokens {params.max_tokens} plus the {prompt_len}-token decoder prompt is more "
                              f"than the model's limit of {self.max_decoder_len} positions; ask for at most "
                              f"{self.max_decoder_len - prompt_len}")
+        if params.cross_attention_heads is not None:
+            self._check_cross_attention_heads(params.cross_attention_heads, encoder_seq)
         fanout, max_seqs = max(params.best_of, params.num_beams), self.scheduler.config.max_num_seqs
         if fanout > max_seqs:
             raise ValueError(f"the request runs {fanout} sequences (best_of/num_beams) but max_num_seqs is {max_seqs}")
@@ -135,6 +140,15 @@ class LLMEngine:
         if positions > self.scheduler.config.max_num_batched_tokens:
             raise ValueError(f"prompt needs {positions} prefill positions, more than "
                              f"max_num_batched_tokens={self.scheduler.config.max_num_batched_tokens}")
+
+    def _check_cross_attention_heads(self, pairs: list[tuple[int, int]], encoder_seq) -> None:
+        if encoder_seq is None:
+            raise ValueError("SamplingParams.cross_attention_heads needs an encoder-decoder model and prompt")
+        spec = self.model.kv_cache_spec
+        bad = [p for p in pairs if p[0] >= spec.num_layers or p[1] >= spec.num_kv_heads]
+        if bad:
+            raise ValueError(f"SamplingParams.cross_attention_heads {bad} are outside the decoder's "
+                             f"{spec.num_layers} layers x {spec.num_kv_heads} heads")
 
     def _no_speech_position(self, decoder_ids: list[int], token_id: int) -> int:
         """The last decoder start token of the prompt: no_speech_prob is read right after it."""
@@ -305,6 +319,7 @@ class LLMEngine:
             encoder_prompt=enc.prompt if enc else None,
             encoder_prompt_token_ids=list(enc.prompt_token_ids) if enc and enc.prompt_token_ids else None,
             outputs=outputs, finished=group.is_finished(), metrics=metrics, no_speech_prob=group.no_speech_prob,
+            prompt_logprobs=group.prompt_logprobs, cross_attentions=group.cross_attentions,
         )
 
     # -- introspection -------------------------------------------------------

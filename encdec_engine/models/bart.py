@@ -31,7 +31,8 @@ class BartStack(nn.Module):
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         self.embed_positions = nn.Embedding(config.max_position_embeddings + _POSITION_OFFSET, config.d_model)
         self.layernorm_embedding = nn.LayerNorm(config.d_model)
-        self.layers = nn.ModuleList(EncDecLayer(config, backend, is_decoder, pre_norm=False) for _ in range(num_layers))
+        self.layers = nn.ModuleList(EncDecLayer(config, backend, is_decoder, pre_norm=False, layer_index=i)
+                                    for i in range(num_layers))
 
     def forward(self, input_ids, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:
         embeds = self.embed_tokens(input_ids) * self.embed_scale

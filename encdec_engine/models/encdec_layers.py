@@ -25,8 +25,9 @@ class EncDecAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType, backend: AttentionBackend,
-                 prescale_query: bool = False) -> None:
+                 prescale_query: bool = False, layer_index: int = 0) -> None:
         super().__init__()
+        self.layer_index = layer_index  # cross-attention: the decoder layer a capture names
         head_dim = d_model // num_heads
         if head_dim * num_heads != d_model:
             raise ValueError(f"d_model {d_model} is not divisible by {num_heads} heads")
@@ -57,14 +58,17 @@ class EncDecAttention(nn.Module):
             q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
         if self.prescale_query:
             q = q * self.scaling
-        return self.out_proj(self.attn(q, k, v, kv_cache, metadata))
+        out = self.attn(q, k, v, kv_cache, metadata)
+        if metadata.capture is not None and self.attn_type == AttentionType.ENCODER_DECODER:
+            metadata.capture.record(self.layer_index, q, kv_cache, self.attn.scale)  # the cross cache is written
+        return self.out_proj(out)
 
 
 class EncDecLayer(nn.Module):
     """One encoder layer, or (with cross-attention) one decoder layer."""
 
     def __init__(self, config, backend: AttentionBackend, is_decoder: bool, pre_norm: bool,
-                 prescale_query: bool = False) -> None:
+                 prescale_query: bool = False, layer_index: int = 0) -> None:
         super().__init__()
         d = config.d_model
         heads = config.decoder_attention_heads if is_decoder else config.encoder_attention_heads
@@ -75,7 +79,8 @@ class EncDecLayer(nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = None
         if is_decoder:
-            self.encoder_attn = EncDecAttention(d, heads, AttentionType.ENCODER_DECODER, backend, prescale_query)
+            self.encoder_attn = EncDecAttention(d, heads, AttentionType.ENCODER_DECODER, backend, prescale_query,
+                                                layer_index)
             self.encoder_attn_layer_norm = nn.LayerNorm(d)
         self.fc1 = nn.Linear(d, ffn)
         self.fc2 = nn.Linear(ffn, d)

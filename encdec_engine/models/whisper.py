@@ -47,7 +47,8 @@ class WhisperDecoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.embed_positions = nn.Embedding(config.max_target_positions, config.d_model)
-        self.layers = nn.ModuleList(EncDecLayer(config, backend, True, pre_norm=True, prescale_query=True) for _ in range(config.decoder_layers))
+        self.layers = nn.ModuleList(EncDecLayer(config, backend, True, pre_norm=True, prescale_query=True, layer_index=i)
+                                    for i in range(config.decoder_layers))
         self.layer_norm = nn.LayerNorm(config.d_model)
 
     def forward(self, input_ids, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:

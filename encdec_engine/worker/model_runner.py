@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from encdec_engine.attention.capture import CaptureRequest, CrossCapture
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 from encdec_engine.sequence import SequenceGroupMetadata
 from encdec_engine.layers.logits_processors import SamplingRow
@@ -40,6 +41,9 @@ class ModelInput:
     logits_indices: torch.Tensor
     encoder_inputs: EncoderInputs | None = None
     no_speech_rows: list[int] = field(default_factory=list)  # rows whose prefill reports no_speech_prob
+    # (row, prompt positions) of rows reporting prompt logprobs; their logits follow the no-speech probes'
+    prompt_logprob_rows: list[tuple[int, int]] = field(default_factory=list)
+    captures: list[tuple[int, CaptureRequest]] = field(default_factory=list)  # (row, its cross-attention capture)
 
 
 StepResult = list[SampleResult] | torch.Tensor  # samples, or beam-search log-probs [vocab]
@@ -115,11 +119,53 @@ class ModelRunner:
         if groups[0].encoder_seq_data is not None:
             encoder_inputs, metadata.encoder, metadata.cross = self._prepare_encoder(groups, rows, dec)
         no_speech_rows, probe_indices = self._no_speech_probes(rows, dec)
+        prompt_rows, prompt_indices = self._prompt_positions(rows, dec)
+        captures = self._captures(rows, dec)
+        if captures:
+            metadata.capture = CrossCapture([c for _, c in captures])
         return ModelInput(
             input_ids=self._tensor(dec.input_ids), positions=self._tensor(dec.positions), metadata=metadata,
-            logits_indices=self._tensor(np.concatenate([dec.query_start_loc[1:] - 1, probe_indices])),
-            encoder_inputs=encoder_inputs, no_speech_rows=no_speech_rows,
+            logits_indices=self._tensor(np.concatenate([dec.query_start_loc[1:] - 1, probe_indices, prompt_indices])),
+            encoder_inputs=encoder_inputs, no_speech_rows=no_speech_rows, prompt_logprob_rows=prompt_rows,
+            captures=captures,
         )
+
+    @staticmethod
+    def _whole_prompt(row: StepRow, dec: TokenArrays, i: int, what: str) -> int:
+        """The prompt length of a row that must compute its whole prompt in this prefill."""
+        if int(dec.num_computed_tokens[i]) != 0:
+            raise RuntimeError(f"{what} of request {row.group.request_id} needs the whole prompt computed, "
+                               "but this prefill starts from a cached prefix")
+        return len(row.group.seq_data[row.seq_id].prompt_token_ids)
+
+    def _prompt_positions(self, rows: list[StepRow], dec: TokenArrays) -> tuple[list[tuple[int, int]], np.ndarray]:
+        """Rows reporting prompt logprobs (first prefill only), and the flat index of every prompt
+        position whose logits predict the next prompt token."""
+        found, indices = [], []
+        for i, r in enumerate(rows):
+            if r.group.sampling_params.prompt_logprobs is None or r.group.group.prompt_logprobs is not None:
+                continue
+            count = self._whole_prompt(r, dec, i, "prompt_logprobs") - 1
+            found.append((i, count))
+            indices.append(int(dec.query_start_loc[i]) + np.arange(count))
+        return found, np.concatenate(indices) if indices else np.zeros(0, dtype=np.int64)
+
+    def _captures(self, rows: list[StepRow], dec: TokenArrays) -> list[tuple[int, CaptureRequest]]:
+        captures = []
+        for i, r in enumerate(rows):
+            pairs = r.group.sampling_params.cross_attention_heads
+            if pairs is None or r.group.group.cross_attentions is not None:
+                continue
+            count = self._whole_prompt(r, dec, i, "cross_attention_heads")
+            heads: dict[int, list[int]] = {}
+            for layer, head in pairs:
+                heads.setdefault(layer, []).append(head)
+            pos = np.arange(r.group.encoder_seq_data.num_positions)
+            table = np.asarray(r.group.cross_block_table, dtype=np.int64)
+            slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            start = int(dec.query_start_loc[i])
+            captures.append((i, CaptureRequest(heads, start, start + count, self._tensor(slots))))
+        return captures
 
     @staticmethod
     def _no_speech_probes(rows: list[StepRow], dec: TokenArrays) -> tuple[list[int], np.ndarray]:
@@ -194,11 +240,11 @@ class ModelRunner:
         """Run one step. Each row gets its samples (several for a request that forks into
         best_of sequences at its first token) or, in beam search, its processed log-probs."""
         rows = [StepRow(m, seq_id) for m in metadata_list for seq_id in m.seq_data]
-        no_speech_rows = []
+        inp = None
         if is_prompt:
             inp = self.prepare_prefill(rows)
             hidden = self._forward(inp)
-            no_speech_rows = inp.no_speech_rows
+            self._record_prompt_outputs(rows, inp, hidden[len(rows) :])
         else:
             batch = self.decode_batch(rows)
             if self.graphs is not None and self.graphs.fits(batch):
@@ -208,8 +254,6 @@ class ModelRunner:
                 hidden = self._forward(self.prepare_decode(batch))
         # The probes get their own logits call: the sampled rows' matmul keeps its shape (and its bits).
         logits = self.model.compute_logits(hidden[: len(rows)])
-        if no_speech_rows:
-            self._record_no_speech([rows[i] for i in no_speech_rows], self.model.compute_logits(hidden[len(rows) :]))
         sampling = [self._sampling_row(r) for r in rows]
         results: list[StepResult] = [None] * len(rows)
         beam = [i for i, r in enumerate(rows) if r.group.sampling_params.use_beam_search]
@@ -233,12 +277,41 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.metadata, encoder_hidden)
         return hidden[inp.logits_indices]
 
-    def _record_no_speech(self, rows: list[StepRow], logits: torch.Tensor) -> None:
-        """no_speech_prob: softmax of the raw logits after the decoder start token, at the no-speech token."""
-        token_ids = torch.tensor([r.group.sampling_params.no_speech_token_id for r in rows], device=logits.device)
-        probs = torch.softmax(logits.float(), dim=-1).gather(1, token_ids[:, None])[:, 0].tolist()
-        for row, prob in zip(rows, probs):
-            row.group.group.no_speech_prob = prob
+    def _record_prompt_outputs(self, rows: list[StepRow], inp: ModelInput, extra_hidden: torch.Tensor) -> None:
+        """What a prefill reports besides its samples: no-speech probabilities, prompt logprobs and
+        captured cross-attention. The extra rows get their own logits call, so the sampled rows' matmul
+        keeps its shape (and its bits)."""
+        for i, req in inp.captures:
+            rows[i].group.group.cross_attentions = inp.metadata.capture.result(
+                req, rows[i].group.sampling_params.cross_attention_heads)
+        if not len(extra_hidden):
+            return
+        logprobs = self.model.compute_logits(extra_hidden).float().log_softmax(dim=-1)
+        probes, logprobs = logprobs[: len(inp.no_speech_rows)], logprobs[len(inp.no_speech_rows) :]
+        if inp.no_speech_rows:
+            # no_speech_prob: the raw distribution after the decoder start token, at the no-speech token.
+            token_ids = [rows[i].group.sampling_params.no_speech_token_id for i in inp.no_speech_rows]
+            probs = probes.gather(1, torch.tensor(token_ids, device=probes.device)[:, None])[:, 0].exp().tolist()
+            for i, prob in zip(inp.no_speech_rows, probs):
+                rows[i].group.group.no_speech_prob = prob
+        for i, count in inp.prompt_logprob_rows:
+            row_logprobs, logprobs = logprobs[:count], logprobs[count:]
+            rows[i].group.group.prompt_logprobs = [None] + self._prompt_logprobs(rows[i], row_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(row: StepRow, logprobs: torch.Tensor) -> list[dict[int, float]]:
+        """vLLM's prompt_logprobs: each next prompt token's raw log-prob, plus the top-k."""
+        prompt = row.group.seq_data[row.seq_id].prompt_token_ids
+        targets = torch.tensor(prompt[1:], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        k = row.group.sampling_params.prompt_logprobs
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        out = []
+        for token, lp, ids, values in zip(prompt[1:], chosen, top_ids.tolist(), top_values.tolist()):
+            entry = dict(zip(ids, values))
+            entry[token] = lp
+            out.append(entry)
+        return out
 
     @staticmethod
     def _fanout(row: StepRow, is_prompt: bool) -> int:
