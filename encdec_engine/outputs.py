@@ -42,6 +42,16 @@ class RequestOutput:
 
 
 @dataclass
+class Word:
+    """A word of a segment, with its timing from the cross-attention alignment (faster-whisper's Word)."""
+
+    start: float  # seconds from the start of the audio
+    end: float
+    word: str  # with its leading space, as in the text
+    probability: float
+
+
+@dataclass
 class Segment:
     """A timed piece of a transcript (openai-whisper's segment fields)."""
 
@@ -54,6 +64,7 @@ class Segment:
     avg_logprob: float = 0.0
     compression_ratio: float = 0.0
     no_speech_prob: float = 0.0
+    words: list[Word] | None = None  # with word_timestamps=True
 
 
 @dataclass

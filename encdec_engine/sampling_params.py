@@ -42,7 +42,8 @@ class SamplingParams:
     no_repeat_ngram_size: int = 0  # HF semantics over the decoder sequence
     logprobs: int | None = None  # top-k logprobs per output token
     # vLLM: RequestOutput.prompt_logprobs, the raw log-prob of each decoder prompt token given the tokens
-    # before it (None for the first), plus the top-k. The prefill computes the whole prompt (no cached prefix).
+    # before it (None for the first), plus the top-k; over allowed_token_ids only when that is set. The
+    # prefill computes the whole prompt (no cached prefix).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep the last k encoder prompt tokens

@@ -14,6 +14,7 @@ flight share the engine's batches.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from encdec_engine.layers.whisper_timestamps import timestamp_rules_from_generat
 from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens, language_code
 from encdec_engine.outputs import RequestOutput, Segment, Transcription
 from encdec_engine.sampling_params import SamplingParams
+from encdec_engine.word_timestamps import add_word_timestamps, alignment_heads, find_alignment
 
 FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # 100 mel frames per second
 INPUT_STRIDE = 2  # mel frames per encoder position (the second conv has stride 2)
@@ -47,6 +49,7 @@ class TranscribeOptions:
     logprob_threshold: float | None = -1.0  # mean token log-probability below: retry hotter
     no_speech_threshold: float | None = 0.6  # no-speech probability above (and an improbable text): skip
     beam_size: int = 1  # beams per window at temperature 0 (1: greedy, as HF generate's default)
+    word_timestamps: bool = False  # words with start, end and probability, from the cross-attention alignment
     best_of: int = 5  # samples per window when temperature > 0
     seed: int = 0  # sampling at temperature > 0 is seeded per window: reruns give the same text
 
@@ -60,6 +63,18 @@ class TranscribeOptions:
 def compression_ratio(text: str) -> float:
     data = text.encode("utf-8")
     return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+@dataclass
+class DecodedWindow:
+    """A window's segments as decoded, before empty and instantaneous ones are dropped."""
+
+    segments: list[Segment]
+    seek: int  # mel frames done once the window is taken
+    offset: float  # seconds: where the window starts
+    num_frames: int  # mel frames of audio in the window
+    single_ending: bool  # the text ended on a single timestamp token (the window is used up)
+    temperature: float
 
 
 @dataclass
@@ -78,6 +93,8 @@ class TranscriptionJob:
     tokens: list[int] = field(default_factory=list)  # all text + timestamp tokens so far (for conditioning)
     prompt_reset: int = 0  # tokens before this index do not condition later windows
     segments: list[Segment] = field(default_factory=list)
+    pending: DecodedWindow | None = None  # a decoded window waiting for its word alignment
+    last_speech: float = 0.0  # end of the last word so far (word timestamps)
 
     @property
     def duration(self) -> float:
@@ -114,6 +131,8 @@ class Transcriber:
                 raise ValueError(f"initial_prompt contains special-token text "
                                  f"{self.tokenizer.convert_ids_to_tokens(special)}; write it without <|...|> tokens")
         self.language = None if options.language is None else language_code(options.language)  # "English" -> "en"
+        spec = engine.model.kv_cache_spec
+        self.alignment_heads = alignment_heads(engine.generation_config, spec.num_layers, spec.num_kv_heads)
         max_seqs = engine.scheduler.config.max_num_seqs
         for name in ("beam_size", "best_of"):
             if getattr(options, name) > max_seqs:
@@ -155,7 +174,8 @@ class Transcriber:
         return [self.result(j) for j in jobs]
 
     def _submit(self, job: TranscriptionJob, in_flight: dict[str, TranscriptionJob]) -> None:
-        rid = f"transcribe-{id(self)}-{job.index}-{job.window}-{job.temperature_index}"
+        align = "-words" if job.pending is not None else ""
+        rid = f"transcribe-{id(self)}-{job.index}-{job.window}-{job.temperature_index}{align}"
         self.engine.add_request(rid, *self.next_request(job))
         in_flight[rid] = job
 
@@ -188,7 +208,13 @@ class Transcriber:
     def next_request(self, job: TranscriptionJob) -> tuple[dict, SamplingParams]:
         """The engine request (prompt, params) for the job's current window."""
         encoder = {"prompt": "", "multi_modal_data": {"input_features": self._window_features(job)}}
-        if self.tokens.is_multilingual and job.language is None:
+        if job.pending is not None:  # teacher-force the window's text for its cross-attention
+            decoder = self._alignment_prefix(job) + self._text_tokens(job.pending) + [self.tokens.eot]
+            # Word probabilities as openai-whisper's: over the text tokens only.
+            params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0,
+                                    allowed_token_ids=list(range(self.tokens.eot)),
+                                    cross_attention_heads=self.alignment_heads)
+        elif self.tokens.is_multilingual and job.language is None:
             params = SamplingParams(temperature=0.0, max_tokens=1,
                                     allowed_token_ids=list(self.tokens.lang_to_id.values()))
             decoder = [self.tokens.sot]
@@ -197,6 +223,12 @@ class Transcriber:
                                                  self._previous(job))
             params = self._params(job, len(decoder))
         return {"encoder_prompt": encoder, "decoder_prompt": {"prompt_token_ids": decoder}}, params
+
+    def _alignment_prefix(self, job: TranscriptionJob) -> list[int]:
+        return self.tokens.decoder_prompt(job.language, self.options.task, timestamps=False)
+
+    def _text_tokens(self, window: DecodedWindow) -> list[int]:
+        return [t for seg in window.segments for t in seg.tokens if t < self.tokens.eot]
 
     def _previous(self, job: TranscriptionJob) -> list[int]:
         previous = list(self.prompt_tokens)
@@ -228,6 +260,8 @@ class Transcriber:
     # -- interpreting a window -----------------------------------------------
     def take(self, job: TranscriptionJob, out: RequestOutput) -> bool:
         """Take the finished request of the job's window; True if the job needs another request."""
+        if job.pending is not None:
+            return self._take_alignment(job, out)
         completion = out.outputs[0]
         if job.language is None and self.tokens.is_multilingual:  # that was language detection
             job.language = self.tokens.language_of(completion.token_ids[0]) or "en"
@@ -251,8 +285,38 @@ class Transcriber:
         if silence and not (opts.logprob_threshold is not None and avg_logprob > opts.logprob_threshold):
             job.seek += self._window_frames(job)  # skipped: no segment, nothing conditions the next window
             return job.long_form and job.seek < job.num_frames
-        self._add_segments(job, tokens, temperature, avg_logprob, ratio, no_speech)
-        if temperature > 0.5:
+        window = self._decoded_window(job, tokens, temperature, avg_logprob, ratio, no_speech)
+        if self.options.word_timestamps and self._text_tokens(window):
+            job.pending = window  # the next request aligns its words
+            return True
+        return self._commit(job, window)
+
+    def _take_alignment(self, job: TranscriptionJob, out: RequestOutput) -> bool:
+        window, job.pending = job.pending, None
+        text = self._text_tokens(window)
+        prefix_len = len(self._alignment_prefix(job))
+        probs = [math.exp(out.prompt_logprobs[prefix_len + k][t]) for k, t in enumerate(text)]
+        alignment = find_alignment(out.cross_attentions, probs, text, prefix_len, window.num_frames,
+                                   self.tokenizer, self.tokens.eot, job.language)
+        job.last_speech = add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset,
+                                              job.last_speech)
+        if job.long_form and not window.single_ending:  # openai-whisper: seek to the last word's end
+            ends = [w.end for seg in window.segments for w in seg.words or ()]
+            if ends and ends[-1] > window.offset:
+                window.seek = round(ends[-1] * FRAMES_PER_SECOND)
+        return self._commit(job, window)
+
+    def _commit(self, job: TranscriptionJob, window: DecodedWindow) -> bool:
+        """Keep the window's segments and move past it. As openai-whisper and faster-whisper: an
+        instantaneous or empty segment is dropped, and only kept segments' tokens condition the next
+        window."""
+        for seg in window.segments:
+            if seg.text.strip() and seg.start != seg.end:
+                seg.id = len(job.segments)
+                job.segments.append(seg)
+                job.tokens.extend(seg.tokens)
+        job.seek = window.seek
+        if window.temperature > 0.5:
             job.prompt_reset = len(job.tokens)
         return job.long_form and job.seek < job.num_frames
 
@@ -261,44 +325,38 @@ class Transcriber:
         """Mel frames of audio the current window covers."""
         return min(N_FRAMES, job.num_frames - job.seek) if job.long_form else job.num_frames
 
-    def _add_segments(self, job: TranscriptionJob, tokens: list[int], temperature: float, avg_logprob: float,
-                      ratio: float, no_speech: float) -> None:
+    def _decoded_window(self, job: TranscriptionJob, tokens: list[int], temperature: float, avg_logprob: float,
+                        ratio: float, no_speech: float) -> DecodedWindow:
+        """Cut the window's tokens into segments at consecutive timestamp tokens (openai-whisper)."""
         begin = self.tokens.timestamp_begin
         offset = job.seek / FRAMES_PER_SECOND
         window_frames = self._window_frames(job)
         is_ts = [t >= begin for t in tokens]
         cuts = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]
         single_ending = len(tokens) >= 2 and not is_ts[-2] and is_ts[-1]
-
-        def add(piece: list[int], start: float, end: float) -> None:
-            # As openai-whisper and faster-whisper: an instantaneous or empty segment is dropped, and only
-            # kept segments' tokens condition the next window.
-            text = self.tokenizer.decode([t for t in piece if t < self.tokens.eot])
-            if not text.strip() or start == end:
-                return
-            job.segments.append(Segment(len(job.segments), round(start, 3), round(end, 3), text, piece,
-                                        temperature, avg_logprob, ratio, no_speech))
-            job.tokens.extend(piece)
-
+        pieces = []
+        seek = job.seek + window_frames
         if cuts:
             if single_ending:
                 cuts.append(len(tokens))
             last = 0
             for cut in cuts:
                 piece = tokens[last:cut]
-                add(piece, offset + (piece[0] - begin) * TIME_PRECISION, offset + (piece[-1] - begin) * TIME_PRECISION)
+                pieces.append((piece, offset + (piece[0] - begin) * TIME_PRECISION,
+                               offset + (piece[-1] - begin) * TIME_PRECISION))
                 last = cut
-            if single_ending or not job.long_form:
-                job.seek += window_frames
-            else:
-                job.seek += (tokens[last - 1] - begin) * INPUT_STRIDE
+            if job.long_form and not single_ending:
+                seek = job.seek + (tokens[last - 1] - begin) * INPUT_STRIDE
         else:
             duration = window_frames / FRAMES_PER_SECOND
             stamps = [t for t in tokens if t >= begin]
             if stamps and stamps[-1] != begin:
                 duration = (stamps[-1] - begin) * TIME_PRECISION
-            add(tokens, offset, offset + duration)
-            job.seek += window_frames
+            pieces.append((tokens, offset, offset + duration))
+        segments = [Segment(0, round(start, 3), round(end, 3),
+                            self.tokenizer.decode([t for t in piece if t < self.tokens.eot]), piece, temperature,
+                            avg_logprob, ratio, no_speech) for piece, start, end in pieces]
+        return DecodedWindow(segments, seek, offset, window_frames, single_ending, temperature)
 
     def result(self, job: TranscriptionJob) -> Transcription:
         if job.error is not None:

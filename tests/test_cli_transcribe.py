@@ -36,7 +36,8 @@ def check_cues(lines: list[str], pattern: re.Pattern, duration: float) -> int:
 def test_transcribe_all_formats_and_a_bad_file(tmp_path):
     files = [str(AUDIO / "coffee.wav"), str(AUDIO / "meeting_stereo_44k.wav"), str(tmp_path / "missing.mp3"),
              str(AUDIO / "long_meeting.flac")]
-    r = encdec("transcribe", *files, "--output-format", "all", "--output-dir", str(tmp_path / "out"), "--quiet")
+    r = encdec("transcribe", *files, "--output-format", "all", "--output-dir", str(tmp_path / "out"), "--quiet",
+               "--word-timestamps")
     assert r.returncode == 1  # one file failed ...
     assert "missing.mp3" in r.stderr  # ... and is named
     out = tmp_path / "out"
@@ -47,6 +48,9 @@ def test_transcribe_all_formats_and_a_bad_file(tmp_path):
     result = json.loads((out / "long_meeting.json").read_text())
     assert result["language"] == "en" and result["duration"] > 60 and len(result["segments"]) > 3
     assert all(0.0 < s["no_speech_prob"] < 0.6 for s in result["segments"])  # speech throughout
+    for s in result["segments"]:
+        assert "".join(w["word"] for w in s["words"]) == s["text"]
+        assert all(s["start"] - 0.7 <= w["start"] <= w["end"] <= s["end"] + 0.7 for w in s["words"])
     srt = (out / "long_meeting.srt").read_text().splitlines()
     assert srt[0] == "1" and check_cues(srt, SRT_TIME, result["duration"]) == len(result["segments"])
     vtt = (out / "long_meeting.vtt").read_text().splitlines()

@@ -184,6 +184,18 @@ def test_transcription_every_response_format(whisper_server):
     assert [(s.start, s.end, s.text) for s in verbose.segments] == [(s.start, s.end, s.text) for s in ref.segments]
 
 
+def test_transcription_word_timestamps(whisper_server):
+    client = whisper_server.client()
+    ref = reference_transcript(whisper_server, "stella.wav", word_timestamps=True)
+    expected = [(w.word.strip(), w.start, w.end) for s in ref.segments for w in s.words]
+    for granularities in (["word"], ["word", "segment"]):
+        with open(AUDIO / "stella.wav", "rb") as f:
+            got = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="verbose_json",
+                                                     timestamp_granularities=granularities)
+        assert [(w.word, w.start, w.end) for w in got.words] == expected and len(expected) > 10
+        assert (got.segments is not None) == ("segment" in granularities)
+
+
 def test_transcription_stream(whisper_server):
     with open(AUDIO / "weather.wav", "rb") as f:
         events = list(whisper_server.client().audio.transcriptions.create(model="whisper-1", file=f, stream=True))
@@ -285,7 +297,7 @@ BAD_AUDIO = [
     ({"data": {"model": "whisper-1"}}, 400, "multipart/form-data"),
     (_multipart(temperature="hot"), 400, "temperature"),
     (_multipart(response_format="mp3"), 400, "response_format"),
-    (_multipart(**{"timestamp_granularities[]": "word"}), 400, "word timestamps"),
+    (_multipart(**{"timestamp_granularities[]": "word"}), 400, "need response_format verbose_json"),
     (_multipart(stream="true", response_format="srt"), 400, "json or text"),
     (_multipart(language="fr"), 400, "English-only"),
     (_multipart(model="gpt-4o"), 404, "not served here"),

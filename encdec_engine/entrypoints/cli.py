@@ -43,7 +43,8 @@ def cmd_transcribe(args) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt,
-               "no_speech_threshold": args.no_speech_threshold, "beam_size": args.beam_size, "best_of": args.best_of}
+               "no_speech_threshold": args.no_speech_threshold, "beam_size": args.beam_size, "best_of": args.best_of,
+               "word_timestamps": args.word_timestamps}
     if args.temperature is not None:
         options["temperatures"] = (args.temperature,)
     TranscribeOptions(**options)  # bad values fail before the model loads
@@ -192,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--beam-size", type=int, default=1,
                     help="beams per window at temperature 0 (default 1: greedy; openai-whisper's CLI uses 5)")
     tr.add_argument("--best-of", type=int, default=5, help="samples per window at temperature > 0")
+    tr.add_argument("--word-timestamps", action="store_true",
+                    help="time each word (cross-attention alignment); JSON output lists them per segment")
     tr.add_argument("--without-timestamps", action="store_true", help="decode with <|notimestamps|>")
     tr.add_argument("--initial-prompt", default=None, help="text that conditions the first window")
     tr.add_argument("--no-speech-threshold", type=_optional_float, default=0.6,

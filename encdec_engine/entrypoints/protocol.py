@@ -247,22 +247,22 @@ class TranscriptionRequest(TranslationRequest):
     """The form fields of `POST /v1/audio/transcriptions`."""
 
     language: str | None = None  # ISO-639-1 code; None: English-only models use English, others detect
-    timestamp_granularities: list[Literal["segment"]] = Field(default_factory=list)
+    timestamp_granularities: list[Literal["segment", "word"]] = Field(default_factory=list)
     stream: bool = False
-
-    @field_validator("timestamp_granularities", mode="before")
-    @classmethod
-    def _segments_only(cls, value: Any) -> Any:
-        if isinstance(value, list) and "word" in value:
-            raise ValueError("word timestamps are not supported; use timestamp_granularities[]=segment")
-        return value
 
     @model_validator(mode="after")
     def _stream_formats(self) -> TranscriptionRequest:
         if self.stream and self.response_format not in ("json", "text"):
             raise ValueError(f"stream=true sends transcript.text events; response_format must be json or text, "
                              f"got {self.response_format!r}")
+        if self.timestamp_granularities and self.response_format != "verbose_json":
+            raise ValueError(f"timestamp_granularities need response_format verbose_json, "
+                             f"got {self.response_format!r}")
         return self
+
+    @property
+    def words(self) -> bool:
+        return "word" in self.timestamp_granularities
 
 
 class TranscriptionSegment(BaseModel):
@@ -276,6 +276,12 @@ class TranscriptionSegment(BaseModel):
     avg_logprob: float
     compression_ratio: float
     no_speech_prob: float
+
+
+class TranscriptionWord(BaseModel):
+    word: str
+    start: float
+    end: float
 
 
 class AudioUsage(BaseModel):
@@ -293,7 +299,8 @@ class TranscriptionVerboseResponse(BaseModel):
     language: str  # the language's English name, as OpenAI gives it ("english")
     duration: float
     text: str
-    segments: list[TranscriptionSegment]
+    segments: list[TranscriptionSegment] | None = None  # absent when only word timestamps were asked for
+    words: list[TranscriptionWord] | None = None  # timestamp_granularities[]=word
     usage: AudioUsage | None = None
 
 
@@ -310,14 +317,21 @@ def language_name(code: str | None) -> str:
     return LANGUAGES.get(code or "en", code or "english")
 
 
-def verbose_transcription(t: Transcription, task: str) -> TranscriptionVerboseResponse:
+def verbose_transcription(t: Transcription, task: str, granularities: list[str] = ()) -> TranscriptionVerboseResponse:
+    """OpenAI's verbose_json: segments (the default granularity), words when asked for."""
     segments = [TranscriptionSegment(id=s.id, seek=round(s.start * FRAMES_PER_SECOND), start=s.start, end=s.end,
                                      text=s.text, tokens=s.tokens, temperature=s.temperature,
                                      avg_logprob=s.avg_logprob, compression_ratio=s.compression_ratio,
                                      no_speech_prob=s.no_speech_prob) for s in t.segments]
     language = "english" if task == "translate" else language_name(t.language)  # OpenAI: translations are English
-    return TranscriptionVerboseResponse(task=task, language=language, duration=t.duration,
-                                        text=t.text.strip(), segments=segments, usage=audio_usage(t))
+    words = None
+    if "word" in granularities:
+        words = [TranscriptionWord(word=w.word.strip(), start=w.start, end=w.end)
+                 for s in t.segments for w in s.words or ()]
+    if granularities and "segment" not in granularities:
+        segments = None
+    return TranscriptionVerboseResponse(task=task, language=language, duration=t.duration, text=t.text.strip(),
+                                        segments=segments, words=words, usage=audio_usage(t))
 
 
 class TranscriptDelta(BaseModel):

@@ -59,6 +59,7 @@ async def _audio_request(request: Request, task: str) -> Response:
     # A stream sends tokens as they are decoded, so nothing it sent may be retried or skipped after.
     options = TranscribeOptions(language=getattr(req, "language", None), task=task, initial_prompt=req.prompt,
                                 timestamps=not stream, temperatures=temperatures,
+                                word_timestamps=getattr(req, "words", False),
                                 no_speech_threshold=None if stream else TranscribeOptions.no_speech_threshold)
     try:
         transcriber = Transcriber(st.engine.engine, options)
@@ -86,7 +87,7 @@ async def _audio_request(request: Request, task: str) -> Response:
     finally:
         if not handed_over:
             ticket.release_all()
-    return _audio_response(result, req.response_format, task)
+    return _audio_response(result, req.response_format, task, getattr(req, "timestamp_granularities", []))
 
 
 async def _read_form(request: Request) -> tuple[UploadFile, dict[str, Any]]:
@@ -206,11 +207,11 @@ async def _transcript_events(st: ServerState, transcriber: Transcriber, job, req
         yield sse_error(e)
 
 
-def _audio_response(t: Transcription, fmt: str, task: str) -> Response:
+def _audio_response(t: Transcription, fmt: str, task: str, granularities: list[str]) -> Response:
     if fmt == "json":
         return JSONResponse(P.TranscriptionResponse(text=t.text.strip(), usage=P.audio_usage(t)).model_dump())
     if fmt == "text":
         return PlainTextResponse(t.text.strip() + "\n")
     if fmt in ("srt", "vtt"):
         return PlainTextResponse(render(t, fmt))
-    return JSONResponse(P.verbose_transcription(t, task).model_dump())
+    return JSONResponse(P.verbose_transcription(t, task, granularities).model_dump(exclude_none=True))

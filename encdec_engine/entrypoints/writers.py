@@ -84,8 +84,9 @@ def _render_tsv(t: Transcription) -> str:
 
 
 def segment_to_dict(segment: Segment) -> dict[str, Any]:
-    """A segment as openai-whisper's result dict has it (minus ``seek``, which we do not track)."""
-    return {
+    """A segment as openai-whisper's result dict has it (minus ``seek``, which we do not track);
+    ``words`` only with word timestamps."""
+    out = {
         "id": segment.id,
         "start": segment.start,
         "end": segment.end,
@@ -96,6 +97,10 @@ def segment_to_dict(segment: Segment) -> dict[str, Any]:
         "compression_ratio": segment.compression_ratio,
         "no_speech_prob": segment.no_speech_prob,
     }
+    if segment.words is not None:
+        out["words"] = [{"word": w.word, "start": w.start, "end": w.end, "probability": w.probability}
+                        for w in segment.words]
+    return out
 
 
 def transcription_to_dict(t: Transcription) -> dict[str, Any]:

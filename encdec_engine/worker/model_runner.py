@@ -286,21 +286,28 @@ class ModelRunner:
                 req, rows[i].group.sampling_params.cross_attention_heads)
         if not len(extra_hidden):
             return
-        logprobs = self.model.compute_logits(extra_hidden).float().log_softmax(dim=-1)
-        probes, logprobs = logprobs[: len(inp.no_speech_rows)], logprobs[len(inp.no_speech_rows) :]
+        logits = self.model.compute_logits(extra_hidden).float()
+        probes, logits = logits[: len(inp.no_speech_rows)], logits[len(inp.no_speech_rows) :]
         if inp.no_speech_rows:
             # no_speech_prob: the raw distribution after the decoder start token, at the no-speech token.
             token_ids = [rows[i].group.sampling_params.no_speech_token_id for i in inp.no_speech_rows]
-            probs = probes.gather(1, torch.tensor(token_ids, device=probes.device)[:, None])[:, 0].exp().tolist()
-            for i, prob in zip(inp.no_speech_rows, probs):
+            probs = probes.log_softmax(dim=-1).gather(1, torch.tensor(token_ids, device=probes.device)[:, None])
+            for i, prob in zip(inp.no_speech_rows, probs[:, 0].exp().tolist()):
                 rows[i].group.group.no_speech_prob = prob
         for i, count in inp.prompt_logprob_rows:
-            row_logprobs, logprobs = logprobs[:count], logprobs[count:]
-            rows[i].group.group.prompt_logprobs = [None] + self._prompt_logprobs(rows[i], row_logprobs)
+            row_logits, logits = logits[:count], logits[count:]
+            allowed = rows[i].group.sampling_params.allowed_token_ids
+            if allowed is not None:  # the distribution over the tokens the request may generate
+                keep = torch.full_like(row_logits[0], float("-inf"))
+                keep[allowed] = 0.0
+                row_logits = row_logits + keep
+            logprobs = row_logits.log_softmax(dim=-1)
+            rows[i].group.group.prompt_logprobs = [None] + self._prompt_logprobs(rows[i], logprobs)
 
     @staticmethod
     def _prompt_logprobs(row: StepRow, logprobs: torch.Tensor) -> list[dict[int, float]]:
-        """vLLM's prompt_logprobs: each next prompt token's raw log-prob, plus the top-k."""
+        """vLLM's prompt_logprobs: each next prompt token's raw log-prob, plus the top-k (a prompt
+        token outside allowed_token_ids gets -inf)."""
         prompt = row.group.seq_data[row.seq_id].prompt_token_ids
         targets = torch.tensor(prompt[1:], device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
