@@ -17,7 +17,7 @@ from torch import nn
 from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.metadata import AttentionMetadata
 from encdec_engine.models.encdec_layers import EncDecLayer, decoder_kv_cache_spec
-from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
+from encdec_engine.models.interface import EncoderInputs, KVCacheSpec, VocabProjection
 from encdec_engine.models.weights import WeightLoader
 
 _POSITION_OFFSET = 2  # BART's learned positions start at index 2
@@ -48,6 +48,7 @@ class BartForConditionalGeneration(nn.Module):
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
+        self.vocab_projection = VocabProjection()
         # Tied (the usual case): one embedding serves encoder, decoder and output.
         # Untied (HF v5): encoder, decoder and lm_head each have their own.
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
@@ -96,7 +97,7 @@ class BartForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
         weight = self.decoder.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight) + self.final_logits_bias
+        return self.vocab_projection(hidden, weight) + self.final_logits_bias
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)

@@ -21,7 +21,7 @@ from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.layer import Attention
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.layers.activation import get_activation
-from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec
+from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec, VocabProjection
 from encdec_engine.models.weights import WeightLoader
 
 # HF Conv1D weights ([in, out]) that become nn.Linear weights ([out, in]).
@@ -95,6 +95,7 @@ class GPT2LMHeadModel(DecoderOnlyModel, nn.Module):
         super().__init__()
         check_config(config)
         self.config = config
+        self.vocab_projection = VocabProjection()
         d = config.hidden_size
         self.wte = nn.Embedding(config.vocab_size, d)
         self.wpe = nn.Embedding(config.max_position_embeddings, d)

@@ -24,7 +24,7 @@ from encdec_engine.attention.layer import Attention
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.layers.activation import get_activation
 from encdec_engine.layers.rotary import RotaryEmbedding, apply_rotary, default_inv_freq
-from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec
+from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec, VocabProjection
 from encdec_engine.models.weights import WeightLoader
 
 # RoPE types whose frequencies are fixed at load; "dynamic" and "longrope" rescale with the length.
@@ -123,6 +123,7 @@ class LlamaForCausalLM(DecoderOnlyModel, nn.Module):
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
+        self.vocab_projection = VocabProjection()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = make_rotary(config, self.head_dim)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -19,7 +19,7 @@ from torch import nn
 from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.metadata import AttentionMetadata
 from encdec_engine.models.encdec_layers import EncDecLayer, decoder_kv_cache_spec
-from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
+from encdec_engine.models.interface import EncoderInputs, KVCacheSpec, VocabProjection
 from encdec_engine.models.weights import WeightLoader
 
 
@@ -64,6 +64,7 @@ class WhisperForConditionalGeneration(nn.Module):
     def __init__(self, config, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
+        self.vocab_projection = VocabProjection()
         self.encoder = WhisperEncoder(config, backend)
         self.decoder = WhisperDecoder(config, backend)
 
@@ -98,7 +99,7 @@ class WhisperForConditionalGeneration(nn.Module):
         return self.decoder(input_ids, positions, kv_caches, metadata, encoder_hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.decoder.embed_tokens.weight)
+        return self.vocab_projection(hidden, self.decoder.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
