@@ -15,6 +15,12 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "length_
 _TOKEN_LIST_FIELDS = ("stop_token_ids", "suppress_tokens", "begin_suppress_tokens", "allowed_token_ids")
 
 
+def _non_negative_ints(values) -> bool:
+    if isinstance(values, range):  # checked at its ends, not element by element
+        return not values or min(values[0], values[-1]) >= 0
+    return all(isinstance(t, numbers.Integral) and t >= 0 for t in values)
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request.
@@ -52,7 +58,7 @@ class SamplingParams:
     forced_eos_token_id: int | None = None  # forced as the last token at max_tokens
     suppress_tokens: list[int] | None = None  # banned at every step
     begin_suppress_tokens: list[int] | None = None  # banned at the first step
-    allowed_token_ids: list[int] | None = None  # only these may be generated (e.g. language detection)
+    allowed_token_ids: list[int] | range | None = None  # only these may be generated (e.g. language detection)
     # Whisper: report, as RequestOutput.no_speech_prob, this token's probability right after the decoder
     # start token (<|startoftranscript|>) of the prompt, from the raw logits (openai-whisper's no_speech_prob).
     no_speech_token_id: int | None = None
@@ -91,7 +97,7 @@ class SamplingParams:
                 fail(name, "must be a finite number")
         for name in _TOKEN_LIST_FIELDS:
             ids = getattr(self, name)
-            if ids is not None and not all(isinstance(t, numbers.Integral) and t >= 0 for t in ids):
+            if ids is not None and not _non_negative_ints(ids):
                 fail(name, "must be a list of non-negative token ids")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be non-empty strings")
@@ -157,7 +163,10 @@ class SamplingParams:
             if value is not None and value >= vocab_size:
                 fail(name, value)
         for name in ("suppress_tokens", "begin_suppress_tokens", "allowed_token_ids"):
-            bad = [t for t in getattr(self, name) or () if t >= vocab_size]
+            ids = getattr(self, name) or ()
+            if isinstance(ids, range) and (not ids or max(ids[0], ids[-1]) < vocab_size):
+                continue  # a range (e.g. every text token) is checked at its ends
+            bad = [t for t in ids if t >= vocab_size]
             if bad:
                 fail(name, bad)
         for name in ("logprobs", "prompt_logprobs"):

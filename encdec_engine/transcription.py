@@ -212,7 +212,7 @@ class Transcriber:
             decoder = self._alignment_prefix(job) + self._text_tokens(job.pending) + [self.tokens.eot]
             # Word probabilities as openai-whisper's: over the text tokens only.
             params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0,
-                                    allowed_token_ids=list(range(self.tokens.eot)),
+                                    allowed_token_ids=range(self.tokens.eot),
                                     cross_attention_heads=self.alignment_heads)
         elif self.tokens.is_multilingual and job.language is None:
             params = SamplingParams(temperature=0.0, max_tokens=1,
@@ -286,10 +286,20 @@ class Transcriber:
             job.seek += self._window_frames(job)  # skipped: no segment, nothing conditions the next window
             return job.long_form and job.seek < job.num_frames
         window = self._decoded_window(job, tokens, temperature, avg_logprob, ratio, no_speech)
-        if self.options.word_timestamps and self._text_tokens(window):
-            job.pending = window  # the next request aligns its words
-            return True
+        if self.options.word_timestamps:
+            if self._alignable(job, window):
+                job.pending = window  # the next request aligns its words
+                return True
+            for seg in window.segments:
+                seg.words = []
         return self._commit(job, window)
+
+    def _alignable(self, job: TranscriptionJob, window: DecodedWindow) -> bool:
+        """Whether the window's words can be aligned: it has text, the text fits the decoder with
+        the alignment prefix, and the audio spans at least two encoder positions."""
+        text = self._text_tokens(window)
+        fits = len(self._alignment_prefix(job)) + len(text) + 1 <= self.engine.max_decoder_len
+        return bool(text) and fits and window.num_frames // INPUT_STRIDE >= 2
 
     def _take_alignment(self, job: TranscriptionJob, out: RequestOutput) -> bool:
         window, job.pending = job.pending, None
@@ -298,12 +308,10 @@ class Transcriber:
         probs = [math.exp(out.prompt_logprobs[prefix_len + k][t]) for k, t in enumerate(text)]
         alignment = find_alignment(out.cross_attentions, probs, text, prefix_len, window.num_frames,
                                    self.tokenizer, self.tokens.eot, job.language)
-        job.last_speech = add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset,
-                                              job.last_speech)
-        if job.long_form and not window.single_ending:  # openai-whisper: seek to the last word's end
-            ends = [w.end for seg in window.segments for w in seg.words or ()]
-            if ends and ends[-1] > window.offset:
-                window.seek = round(ends[-1] * FRAMES_PER_SECOND)
+        add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset, job.last_speech)
+        ends = [w.end for seg in window.segments for w in seg.words]
+        if job.long_form and not window.single_ending and ends and ends[-1] > window.offset:
+            window.seek = round(ends[-1] * FRAMES_PER_SECOND)  # openai-whisper: seek to the last word's end
         return self._commit(job, window)
 
     def _commit(self, job: TranscriptionJob, window: DecodedWindow) -> bool:
@@ -318,6 +326,9 @@ class Transcriber:
         job.seek = window.seek
         if window.temperature > 0.5:
             job.prompt_reset = len(job.tokens)
+        if self.options.word_timestamps and window.segments:  # the last speech: its last word, or segment
+            ends = [w.end for seg in window.segments for w in seg.words]
+            job.last_speech = ends[-1] if ends else window.segments[-1].end
         return job.long_form and job.seek < job.num_frames
 
     @staticmethod

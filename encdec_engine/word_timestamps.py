@@ -177,9 +177,10 @@ def merge_punctuations(alignment: list[WordTiming], prepended: str, appended: st
 
 
 def add_word_timestamps(segments: list[Segment], alignment: list[WordTiming], eot: int, time_offset: float,
-                        last_speech: float) -> float:
+                        last_speech: float) -> None:
     """Give the window's segments their words (in place) and move each segment's start and end to
-    its words, with openai-whisper's duration heuristics. Returns the new last-speech time."""
+    its words, with openai-whisper's duration heuristics. `last_speech`: where speech last ended
+    before this window (seconds)."""
     durations = np.array([w.end - w.start for w in alignment])
     durations = durations[durations.nonzero()]
     median = min(0.7, float(np.median(durations))) if len(durations) else 0.0
@@ -208,7 +209,6 @@ def add_word_timestamps(segments: list[Segment], alignment: list[WordTiming], eo
             _fix_edges(segment, words, median, longest, last_speech)
             last_speech = segment.end
         segment.words = words
-    return last_speech
 
 
 def _fix_edges(segment: Segment, words: list[Word], median: float, longest: float, last_speech: float) -> None:

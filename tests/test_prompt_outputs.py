@@ -79,3 +79,13 @@ def test_bad_cross_attention_heads_are_refused(heads, match, whisper_window, mak
               "decoder_prompt": {"prompt_token_ids": tokens}}
     with pytest.raises(ValueError, match=match):
         llm.generate([prompt], SamplingParams(max_tokens=1, cross_attention_heads=heads), use_tqdm=False)
+
+
+def test_a_one_token_prompt_has_prompt_logprobs_none_beside_a_no_speech_probe(whisper_window, make_llm):
+    llm = make_llm(default_model_path())
+    features, _ = whisper_window
+    prompt = {"encoder_prompt": {"prompt": "", "multi_modal_data": {"input_features": features}},
+              "decoder_prompt": {"prompt_token_ids": [50257]}}
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, allowed_token_ids=range(100), no_speech_token_id=50361)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.prompt_logprobs == [None] and out.outputs[0].token_ids[0] < 100 and out.no_speech_prob > 0

@@ -284,6 +284,9 @@ class ModelRunner:
         for i, req in inp.captures:
             rows[i].group.group.cross_attentions = inp.metadata.capture.result(
                 req, rows[i].group.sampling_params.cross_attention_heads)
+        for i, count in inp.prompt_logprob_rows:
+            if count == 0:  # a one-token prompt: nothing before it to predict it
+                rows[i].group.group.prompt_logprobs = [None]
         if not len(extra_hidden):
             return
         logits = self.model.compute_logits(extra_hidden).float()
@@ -295,6 +298,8 @@ class ModelRunner:
             for i, prob in zip(inp.no_speech_rows, probs[:, 0].exp().tolist()):
                 rows[i].group.group.no_speech_prob = prob
         for i, count in inp.prompt_logprob_rows:
+            if count == 0:
+                continue
             row_logits, logits = logits[:count], logits[count:]
             allowed = rows[i].group.sampling_params.allowed_token_ids
             if allowed is not None:  # the distribution over the tokens the request may generate
