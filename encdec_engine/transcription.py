@@ -76,6 +76,10 @@ class DecodedWindow:
     single_ending: bool  # the text ended on a single timestamp token (the window is used up)
     temperature: float
 
+    @property
+    def last_word_end(self) -> float | None:
+        return next((w.end for seg in reversed(self.segments) for w in reversed(seg.words or ())), None)
+
 
 @dataclass
 class TranscriptionJob:
@@ -309,9 +313,9 @@ class Transcriber:
         alignment = find_alignment(out.cross_attentions, probs, text, prefix_len, window.num_frames,
                                    self.tokenizer, self.tokens.eot, job.language)
         add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset, job.last_speech)
-        ends = [w.end for seg in window.segments for w in seg.words]
-        if job.long_form and not window.single_ending and ends and ends[-1] > window.offset:
-            window.seek = round(ends[-1] * FRAMES_PER_SECOND)  # openai-whisper: seek to the last word's end
+        end = window.last_word_end
+        if job.long_form and not window.single_ending and end is not None and end > window.offset:
+            window.seek = round(end * FRAMES_PER_SECOND)  # openai-whisper: seek to the last word's end
         return self._commit(job, window)
 
     def _commit(self, job: TranscriptionJob, window: DecodedWindow) -> bool:
@@ -327,8 +331,8 @@ class Transcriber:
         if window.temperature > 0.5:
             job.prompt_reset = len(job.tokens)
         if self.options.word_timestamps and window.segments:  # the last speech: its last word, or segment
-            ends = [w.end for seg in window.segments for w in seg.words]
-            job.last_speech = ends[-1] if ends else window.segments[-1].end
+            end = window.last_word_end
+            job.last_speech = window.segments[-1].end if end is None else end
         return job.long_form and job.seek < job.num_frames
 
     @staticmethod

@@ -160,11 +160,10 @@ class ModelRunner:
             heads: dict[int, list[int]] = {}
             for layer, head in pairs:
                 heads.setdefault(layer, []).append(head)
-            pos = np.arange(r.group.encoder_seq_data.num_positions)
-            table = np.asarray(r.group.cross_block_table, dtype=np.int64)
-            slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            keys = prepare_token_arrays(np.array([r.group.encoder_seq_data.num_positions]), np.zeros(1),
+                                        pad_rows([r.group.cross_block_table]), self.block_size)
             start = int(dec.query_start_loc[i])
-            captures.append((i, CaptureRequest(heads, start, start + count, self._tensor(slots))))
+            captures.append((i, CaptureRequest(heads, start, start + count, self._tensor(keys.slot_mapping))))
         return captures
 
     @staticmethod
@@ -284,10 +283,7 @@ class ModelRunner:
         for i, req in inp.captures:
             rows[i].group.group.cross_attentions = inp.metadata.capture.result(
                 req, rows[i].group.sampling_params.cross_attention_heads)
-        for i, count in inp.prompt_logprob_rows:
-            if count == 0:  # a one-token prompt: nothing before it to predict it
-                rows[i].group.group.prompt_logprobs = [None]
-        if not len(extra_hidden):
+        if not inp.no_speech_rows and not inp.prompt_logprob_rows:
             return
         logits = self.model.compute_logits(extra_hidden).float()
         probes, logits = logits[: len(inp.no_speech_rows)], logits[len(inp.no_speech_rows) :]
@@ -297,22 +293,20 @@ class ModelRunner:
             probs = probes.log_softmax(dim=-1).gather(1, torch.tensor(token_ids, device=probes.device)[:, None])
             for i, prob in zip(inp.no_speech_rows, probs[:, 0].exp().tolist()):
                 rows[i].group.group.no_speech_prob = prob
-        for i, count in inp.prompt_logprob_rows:
-            if count == 0:
-                continue
+        for i, count in inp.prompt_logprob_rows:  # the first prompt token has nothing to predict it: None
             row_logits, logits = logits[:count], logits[count:]
-            allowed = rows[i].group.sampling_params.allowed_token_ids
-            if allowed is not None:  # the distribution over the tokens the request may generate
-                keep = torch.full_like(row_logits[0], float("-inf"))
-                keep[allowed] = 0.0
-                row_logits = row_logits + keep
-            logprobs = row_logits.log_softmax(dim=-1)
-            rows[i].group.group.prompt_logprobs = [None] + self._prompt_logprobs(rows[i], logprobs)
+            rows[i].group.group.prompt_logprobs = [None] + (self._prompt_logprobs(rows[i], row_logits) if count else [])
 
     @staticmethod
-    def _prompt_logprobs(row: StepRow, logprobs: torch.Tensor) -> list[dict[int, float]]:
-        """vLLM's prompt_logprobs: each next prompt token's raw log-prob, plus the top-k (a prompt
-        token outside allowed_token_ids gets -inf)."""
+    def _prompt_logprobs(row: StepRow, logits: torch.Tensor) -> list[dict[int, float]]:
+        """vLLM's prompt_logprobs: each next prompt token's raw log-prob, plus the top-k; over
+        allowed_token_ids when the request has them (a prompt token outside gets -inf)."""
+        allowed = row.group.sampling_params.allowed_token_ids
+        if allowed is not None:  # the distribution over the tokens the request may generate
+            keep = torch.full((logits.shape[-1],), float("-inf"), device=logits.device)
+            keep[allowed] = 0.0
+            logits = logits + keep
+        logprobs = logits.log_softmax(dim=-1)
         prompt = row.group.seq_data[row.seq_id].prompt_token_ids
         targets = torch.tensor(prompt[1:], device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
