@@ -16,8 +16,9 @@ from torch import nn
 
 from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.metadata import AttentionMetadata
+from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.models.encdec_layers import EncDecLayer, decoder_kv_cache_spec
-from encdec_engine.models.interface import EncoderInputs, KVCacheSpec, VocabProjection
+from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
 from encdec_engine.models.weights import WeightLoader
 
 _POSITION_OFFSET = 2  # BART's learned positions start at index 2
@@ -96,8 +97,9 @@ class BartForConditionalGeneration(nn.Module):
         return self.decoder(input_ids, positions, kv_caches, metadata, encoder_hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        weight = self.decoder.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.vocab_projection(hidden, weight) + self.final_logits_bias
+        if self.lm_head is None:  # tied to the input embedding
+            return self.vocab_projection(hidden, self.decoder.embed_tokens.weight) + self.final_logits_bias
+        return self.lm_head(hidden) + self.final_logits_bias
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)

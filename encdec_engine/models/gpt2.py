@@ -21,7 +21,8 @@ from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.layer import Attention
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.layers.activation import get_activation
-from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec, VocabProjection
+from encdec_engine.layers.linear import VocabProjection
+from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec
 from encdec_engine.models.weights import WeightLoader
 
 # HF Conv1D weights ([in, out]) that become nn.Linear weights ([out, in]).

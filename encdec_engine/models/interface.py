@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch import nn
 
 from encdec_engine.attention.metadata import AttentionMetadata
 
@@ -53,28 +52,6 @@ class Model(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
 
-class VocabProjection:
-    """Logits = hidden @ weight.T for an output head of shape [vocab, hidden].
-
-    On the CPU it multiplies by a [hidden, vocab] copy of the weight: MKL runs that layout about
-    twice as fast for the few rows of a decode step (one row of tiny.en's 51,864 x 384 head:
-    2.6 ms against 5.5 ms for F.linear; 4 rows: 6.1 against 8.4 ms; equal from ~256 rows), at the
-    cost of a second copy of the head in memory. Elsewhere it is F.linear.
-    """
-
-    def __init__(self) -> None:
-        self._copy: torch.Tensor | None = None
-        self._key: tuple | None = None
-
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            return nn.functional.linear(hidden, weight)
-        key = (weight.data_ptr(), weight._version, weight.shape)
-        if self._key != key:  # loaded, or changed since
-            self._copy, self._key = weight.detach().t().contiguous(), key
-        return hidden @ self._copy
-
-
 class DecoderOnlyModel:
     """Base for decoder-only models: the degenerate case with no encoder and no cross cache."""
 
@@ -87,8 +64,9 @@ class DecoderOnlyModel:
         return self.config.max_position_embeddings
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        head = getattr(self, self.token_embedding) if self.lm_head is None else self.lm_head
-        return self.vocab_projection(hidden, head.weight)
+        if self.lm_head is None:  # tied to the input embedding
+            return self.vocab_projection(hidden, getattr(self, self.token_embedding).weight)
+        return self.lm_head(hidden)
 
     def encoder_num_positions(self, num_inputs: int) -> int:
         raise ValueError(f"{type(self).__name__} is decoder-only: it has no encoder")

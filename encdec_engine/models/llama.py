@@ -23,8 +23,9 @@ from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.layer import Attention
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.layers.activation import get_activation
+from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.layers.rotary import RotaryEmbedding, apply_rotary, default_inv_freq
-from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec, VocabProjection
+from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec
 from encdec_engine.models.weights import WeightLoader
 
 # RoPE types whose frequencies are fixed at load; "dynamic" and "longrope" rescale with the length.

@@ -18,8 +18,9 @@ from torch import nn
 
 from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.metadata import AttentionMetadata
+from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.models.encdec_layers import EncDecLayer, decoder_kv_cache_spec
-from encdec_engine.models.interface import EncoderInputs, KVCacheSpec, VocabProjection
+from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
 from encdec_engine.models.weights import WeightLoader
 
 

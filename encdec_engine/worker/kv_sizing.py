@@ -138,10 +138,11 @@ def profile_free_memory(
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (tied tensors once)."""
+    """Bytes of a module's parameters and buffers (tied tensors once; packed oneDNN weights,
+    which have no data pointer, by their logical size)."""
     seen: dict[int, int] = {}
     for t in (*module.parameters(), *module.buffers()):
-        seen[t.data_ptr()] = t.numel() * t.element_size()
+        seen[id(t) if t.is_mkldnn else t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
