@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 _INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "no_repeat_ngram_size", "logprobs",
                "prompt_logprobs",
                "truncate_prompt_tokens", "num_beams", "forced_bos_token_id", "forced_eos_token_id",
                "no_speech_token_id")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "length_penalty")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "length_penalty")
 _TOKEN_LIST_FIELDS = ("stop_token_ids", "suppress_tokens", "begin_suppress_tokens", "allowed_token_ids")
 
 
@@ -44,7 +45,13 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0  # vLLM/OpenAI: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # vLLM/OpenAI: subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # HF (CTRL) semantics over prompt + output
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, first (HF sequence_bias)
+    # Words never generated (vLLM): each is tokenized as written and with a leading space; a word's last
+    # token is banned where the decoder sequence ends with the tokens before it (HF bad_words_ids).
+    bad_words: list[str] | None = None
     no_repeat_ngram_size: int = 0  # HF semantics over the decoder sequence
     logprobs: int | None = None  # top-k logprobs per output token
     # vLLM: RequestOutput.prompt_logprobs, the raw log-prob of each decoder prompt token given the tokens
@@ -71,6 +78,8 @@ class SamplingParams:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # bad_words as token ids, filled by the engine's tokenizer (resolve_bad_words).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,6 +132,19 @@ class SamplingParams:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.repetition_penalty <= 0.0:
             fail("repetition_penalty", "must be positive")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                fail(name, "must be in [-2, 2]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    isinstance(t, numbers.Integral) and t >= 0 and isinstance(b, numbers.Real) and math.isfinite(b)
+                    for t, b in self.logit_bias.items()):
+                fail("logit_bias", "must map non-negative token ids to finite numbers")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                fail("bad_words", "must be a list of non-blank strings")
+            self.bad_words = list(self.bad_words)
         if self.no_repeat_ngram_size < 0:
             fail("no_repeat_ngram_size", "must be non-negative")
         if self.logprobs is not None and self.logprobs < 0:
@@ -162,7 +184,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value >= vocab_size:
                 fail(name, value)
-        for name in ("suppress_tokens", "begin_suppress_tokens", "allowed_token_ids"):
+        for name in ("suppress_tokens", "begin_suppress_tokens", "allowed_token_ids", "logit_bias"):
             ids = getattr(self, name) or ()
             if isinstance(ids, range) and (not ids or max(ids[0], ids[-1]) < vocab_size):
                 continue  # a range (e.g. every text token) is checked at its ends
@@ -173,6 +195,22 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value > vocab_size:
                 raise ValueError(f"SamplingParams.{name} {value} is more than the vocabulary's {vocab_size} tokens")
+
+    def resolve_bad_words(self, tokenizer) -> None:
+        """Tokenize bad_words as vLLM does: each word as written (leading spaces stripped) and, where
+        that makes other tokens of the same count, with one leading space (a word mid-sentence)."""
+        if not self.bad_words or self.bad_words_token_ids:
+            return
+        if tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer (skip_tokenizer_init=True was set)")
+        resolved = []
+        for word in self.bad_words:
+            bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            resolved.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                resolved.append(spaced)
+        self.bad_words_token_ids = resolved
 
     @property
     def greedy(self) -> bool:

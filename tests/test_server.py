@@ -249,6 +249,12 @@ def test_completions_match_offline_generate(bart_server, bart_path, make_llm):
     assert [c.index for c in sampled[0].choices] == [0, 1]
     lp = sampled[0].choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 6 and all(t for t in lp.top_logprobs)
+    shaped = dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={"133": 2.0})
+    ref = llm.generate([prompts[0]], SamplingParams(**GREEDY, **{**shaped, "logit_bias": {133: 2.0}},
+                                                    bad_words=["rain"]), use_tqdm=False)[0]
+    got = client.completions.create(model="bart", prompt=prompts[0], **GREEDY, **shaped,
+                                    extra_body={"bad_words": ["rain"]})
+    assert got.choices[0].text == ref.outputs[0].text and got.choices[0].text != refs[0].outputs[0].text
 
 
 def test_completion_stream(bart_server):
@@ -326,6 +332,11 @@ BAD_COMPLETIONS = [
     ({"json": {"prompt": "x", "max_tokens": 100_000}}, 400, "ask for at most"),
     ({"json": {"prompt": "x", "stop": ["y", ""]}}, 400, "stop must be non-empty"),
     ({"json": {"prompt": ["a", "b", "c"]}}, 400, "exceed this server's queue"),
+    ({"json": {"prompt": "x", "logit_bias": {"rain": 1}}}, 400, "logit_bias: keys must be token ids"),
+    ({"json": {"prompt": "x", "logit_bias": {"5": 101}}}, 400, "biases must be in [-100, 100]"),
+    ({"json": {"prompt": "x", "logit_bias": {"99999": 1}}}, 400, "logit_bias [99999] is outside the vocabulary"),
+    ({"json": {"prompt": "x", "presence_penalty": 2.5}}, 400, "presence_penalty"),
+    ({"json": {"prompt": "x", "bad_words": [""]}}, 400, "bad_words must be a list of non-blank strings"),
 ]
 
 

@@ -116,12 +116,12 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     # OpenAI fields accepted only at their neutral value.
     echo: bool = False
     suffix: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields.
     top_k: int = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -133,6 +133,7 @@ class CompletionRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    bad_words: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -149,11 +150,19 @@ class CompletionRequest(BaseModel):
     def _parse_prompt(cls, value: Any) -> list[str | dict]:
         return parse_prompts(value)
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys must be token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {token}")
+        return value
+
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
-        unsupported = {"echo": self.echo, "suffix": self.suffix is not None, "logit_bias": bool(self.logit_bias),
-                       "presence_penalty": self.presence_penalty != 0.0,
-                       "frequency_penalty": self.frequency_penalty != 0.0}
+        unsupported = {"echo": self.echo, "suffix": self.suffix is not None}
         named = [name for name, used in unsupported.items() if used]
         if named:
             raise ValueError(f"not supported by this server: {', '.join(named)} (leave at the default)")
@@ -170,8 +179,10 @@ class CompletionRequest(BaseModel):
             min_p=self.min_p, seed=self.seed, max_tokens=self.max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, no_repeat_ngram_size=self.no_repeat_ngram_size,
-            logprobs=self.logprobs, skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
+            bad_words=self.bad_words, logprobs=self.logprobs, skip_special_tokens=self.skip_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 

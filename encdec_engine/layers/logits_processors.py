@@ -40,6 +40,21 @@ def apply_repetition_penalty(logits: torch.Tensor, row: SamplingRow) -> None:
     logits[ids] = torch.where(scores < 0, scores * penalty, scores / penalty)
 
 
+def apply_presence_frequency_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    """vLLM/OpenAI: logit -= frequency_penalty * count + presence_penalty, over generated tokens."""
+    if not row.output_token_ids:
+        return
+    ids, counts = torch.tensor(row.output_token_ids, device=logits.device).unique(return_counts=True)
+    p = row.params
+    logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+
+
+def banned_bad_word_tokens(tokens: list[int], bad_words: list[list[int]]) -> list[int]:
+    """Last tokens of the bad words whose other tokens end `tokens` (HF NoBadWordsLogitsProcessor)."""
+    return [word[-1] for word in bad_words
+            if len(word) == 1 or (len(word) - 1 <= len(tokens) and tokens[len(tokens) - len(word) + 1 :] == word[:-1])]
+
+
 def banned_ngram_tokens(tokens: list[int], n: int) -> list[int]:
     """Tokens that would repeat an n-gram already in `tokens` (HF no_repeat_ngram_size)."""
     if len(tokens) + 1 < n:
@@ -59,10 +74,18 @@ def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         p, out = row.params, row.output_token_ids
         x = logits[i]
+        if p.logit_bias:
+            x[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device)
         if p.repetition_penalty != 1.0:
             apply_repetition_penalty(x, row)
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            apply_presence_frequency_penalties(x, row)
         if p.no_repeat_ngram_size > 0:
             banned = banned_ngram_tokens(row.token_ids, p.no_repeat_ngram_size)
+            if banned:
+                x[banned] = NEG_INF
+        if p.bad_words_token_ids:
+            banned = banned_bad_word_tokens(row.token_ids, p.bad_words_token_ids)
             if banned:
                 x[banned] = NEG_INF
         if len(out) < p.min_tokens:

@@ -1,0 +1,114 @@
+"""logit_bias, presence/frequency penalties and bad_words: greedy parity with HF `generate`
+(sequence_bias, bad_words_ids, and a processor with vLLM's penalty semantics)."""
+
+import pytest
+import torch
+from helpers import hf_greedy, mixed_prompts
+from transformers import BartForConditionalGeneration, LogitsProcessor, LogitsProcessorList
+
+from encdec_engine import SamplingParams
+from encdec_engine.layers.logits_processors import banned_bad_word_tokens
+
+
+@pytest.fixture(scope="module")
+def llm(bart_path, make_llm):
+    return make_llm(bart_path, num_kv_blocks=400)
+
+
+@pytest.fixture(scope="module")
+def hf_model(bart_path):
+    return BartForConditionalGeneration.from_pretrained(bart_path).eval()
+
+
+class VllmPenalties(LogitsProcessor):
+    """Reference: logit -= frequency * count + presence * (count > 0), over generated tokens only."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids[:, self.prompt_len :]):
+            counts = torch.bincount(ids, minlength=scores.shape[1]).to(scores.dtype)
+            scores[row] -= self.frequency * counts + self.presence * (counts > 0).to(scores.dtype)
+        return scores
+
+
+def generate(llm, prompts, **params):
+    return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, **params), use_tqdm=False)
+
+
+@pytest.mark.parametrize("presence,frequency", [(1.5, 0.0), (0.0, 0.7), (0.5, 1.0), (-0.5, 0.0)])
+def test_presence_and_frequency_penalties_match_reference(llm, hf_model, presence, frequency):
+    prompts = mixed_prompts(llm.get_tokenizer(), n=8, seed=3)
+    plain = generate(llm, prompts)
+    outs = generate(llm, prompts, presence_penalty=presence, frequency_penalty=frequency)
+    assert any(o.outputs[0].token_ids != p.outputs[0].token_ids for o, p in zip(outs, plain))  # it bites
+    for o in outs:
+        reference = LogitsProcessorList([VllmPenalties(len(o.prompt_token_ids), presence, frequency)])
+        ref = hf_greedy(hf_model, o.encoder_prompt_token_ids, o.prompt_token_ids, 16, logits_processor=reference)
+        assert o.outputs[0].token_ids == ref
+
+
+def test_logit_bias_matches_hf_sequence_bias(llm, hf_model):
+    prompts = mixed_prompts(llm.get_tokenizer(), n=8, seed=4)
+    plain = generate(llm, prompts)
+    common = plain[0].outputs[0].token_ids[2]
+    bias = {common: -4.0, 17: 3.0, 300: 2.5}
+    outs = generate(llm, prompts, logit_bias=bias, repetition_penalty=1.3)  # HF: bias first, then the penalty
+    assert any(o.outputs[0].token_ids != p.outputs[0].token_ids for o, p in zip(outs, plain))
+    for o in outs:
+        ref = hf_greedy(hf_model, o.encoder_prompt_token_ids, o.prompt_token_ids, 16, repetition_penalty=1.3,
+                        sequence_bias={(t,): b for t, b in bias.items()})
+        assert o.outputs[0].token_ids == ref
+
+
+def test_bad_words_match_hf_bad_words_ids(llm, hf_model):
+    tok = llm.get_tokenizer()
+    prompts = mixed_prompts(tok, n=8, seed=5)
+    plain = generate(llm, prompts)
+    first = plain[0].outputs[0].token_ids
+    # A one-token word the first output uses, and two-token words from it (random weights: odd strings).
+    single = next(w for t in first if len(tok.encode(w := tok.decode([t]).strip(), add_special_tokens=False)) == 1)
+    pairs = [w for a, b in zip(first, first[1:])
+             if len(tok.encode(w := tok.decode([a, b]).strip(), add_special_tokens=False)) == 2][:2]
+    params = SamplingParams(temperature=0, max_tokens=16, bad_words=[single, *pairs])
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    ids = params.bad_words_token_ids
+    assert pairs and any(len(w) == 2 for w in ids)
+    assert outs[0].outputs[0].token_ids != first
+    for o in outs:
+        got = o.outputs[0].token_ids
+        assert got == hf_greedy(hf_model, o.encoder_prompt_token_ids, o.prompt_token_ids, 16, bad_words_ids=ids)
+        assert not any(got[i : i + len(w)] == w for w in ids for i in range(len(got)))
+
+
+def test_banned_bad_word_tokens():
+    words = [[7], [1, 2, 3], [4, 5]]
+    assert banned_bad_word_tokens([], words) == [7]
+    assert banned_bad_word_tokens([9, 1, 2], words) == [7, 3]
+    assert banned_bad_word_tokens([4], words) == [7, 5]
+    assert banned_bad_word_tokens([2], words) == [7]
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("presence_penalty", 2.5, r"in \[-2, 2\]"), ("frequency_penalty", -3.0, r"in \[-2, 2\]"),
+    ("logit_bias", {-1: 1.0}, "non-negative token ids"), ("logit_bias", {5: float("inf")}, "finite"),
+    ("bad_words", "word", "list of non-blank strings"), ("bad_words", [" "], "non-blank"),
+])
+def test_bad_values_name_the_field(field, value, match):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} .*{match}"):
+        SamplingParams(**{field: value})
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_at_add_time(llm):
+    with pytest.raises(ValueError, match="SamplingParams.logit_bias .*vocabulary"):
+        generate(llm, ["The rain in spain"], logit_bias={10_000: 1.0})
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_words_need_a_tokenizer(bart_path, make_llm):
+    llm = make_llm(bart_path, num_kv_blocks=100, skip_tokenizer_init=True)
+    prompt = {"encoder_prompt": {"prompt_token_ids": [0, 100, 200, 2]}, "decoder_prompt": {"prompt_token_ids": [2]}}
+    with pytest.raises(ValueError, match="bad_words needs a tokenizer"):
+        generate(llm, [prompt], bad_words=["rain"])
+    assert not llm.engine.has_unfinished_requests()
