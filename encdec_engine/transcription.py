@@ -206,7 +206,9 @@ class Transcriber:
     def _window_features(self, job: TranscriptionJob) -> torch.Tensor:  # [n_mels, N_FRAMES]
         if not job.long_form:
             return job.mel
-        window = job.mel[:, job.seek : job.seek + N_FRAMES]
+        # openai-whisper and faster-whisper: only the window's audio frames, then zeros (not the
+        # log-mel of silence) up to 30 s.
+        window = job.mel[:, job.seek : job.seek + self._window_frames(job)]
         return F.pad(window, (0, N_FRAMES - window.shape[1]))
 
     def next_request(self, job: TranscriptionJob) -> tuple[dict, SamplingParams]:

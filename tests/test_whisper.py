@@ -112,6 +112,26 @@ def test_long_form_transcribes_to_the_end(beam_size, tiny_en, monkeypatch):
     assert wer < 0.15, wer
 
 
+def test_long_form_windows_see_only_their_audio(tiny_en, monkeypatch):
+    """As openai-whisper and faster-whisper: a window's log-mel frames past its audio are zeros, not the
+    log-mel of silence (the last window's no-speech probability then equals faster-whisper's)."""
+    engine, features = tiny_en.engine, []
+    add = engine.add_request
+
+    def recording_add(request_id, prompt, params=None, *args):
+        features.append(prompt["encoder_prompt"]["multi_modal_data"]["input_features"])
+        return add(request_id, prompt, params, *args)
+
+    monkeypatch.setattr(engine, "add_request", recording_add)
+    result = tiny_en.transcribe(AUDIO / "long_meeting.flac", temperatures=(0.0,))[0]
+    monkeypatch.undo()
+    zero = (features[-1] == 0).all(dim=0).tolist()  # [frames] of the last window
+    audio_frames = next(k for k in range(len(zero)) if all(zero[k:]))
+    assert 0 < audio_frames < 3000 and not any(zero[:audio_frames])
+    window_start = result.duration * 100 - audio_frames  # in mel frames: a segment of the window starts there
+    assert any(abs(seg.start * 100 - window_start) <= 1 for seg in result.segments)
+
+
 @pytest.mark.parametrize("bad,match", [("missing.wav", "missing.wav"), ("empty", "empty.wav"),
                                        ("corrupt", "corrupt.wav")])
 def test_bad_files_are_named_and_others_still_transcribed(tiny_en, tmp_path, bad, match):
