@@ -145,7 +145,7 @@ def test_unknown_format(transcription, tmp_path):
 
 @pytest.fixture
 def worded() -> Transcription:
-    """Three segments with word timings: a 0.3 s gap before "fox", and 4.8 s between the starts of "dog." and "Done!"."""
+    """Three segments with word timings: a 0.3 s gap before "fox"; 4.8 s from the start of "dog." to "Done!"."""
     def seg(i: int, start: float, end: float, words: list[tuple[float, float, str]]) -> Segment:
         ws = [Word(a, b, w, 0.9) for a, b, w in words]
         return Segment(i, start, end, "".join(w.word for w in ws), words=ws)
@@ -270,7 +270,7 @@ def test_arrows_in_words_are_defused():
 
 
 def test_options_need_word_timestamps(transcription, tmp_path):
-    with pytest.raises(ValueError, match=r"highlight_words need word timestamps.*segment 0"):
+    with pytest.raises(ValueError, match=r"highlight_words needs word timestamps.*segment 0"):
         render(transcription, "vtt", SubtitleOptions(highlight_words=True))
     with pytest.raises(ValueError, match=r"max_line_width, max_line_count need word timestamps"):
         write_transcription(transcription, "all", tmp_path / "out", "a.wav",

@@ -93,10 +93,11 @@ def subtitle_cues(t: Transcription, options: SubtitleOptions | None = None) -> l
 
 def check_words(t: Transcription, options: SubtitleOptions) -> None:
     """Raise ValueError when ``options`` need word timestamps and a segment of ``t`` has none."""
+    names = options.set_options
     missing = next((s for s in t.segments if s.words is None), None)
-    if options.set_options and missing is not None:
-        raise ValueError(f"{', '.join(options.set_options)} need word timestamps, but segment {missing.id} "
-                         "has none (transcribe with word_timestamps=True)")
+    if names and missing is not None:
+        raise ValueError(f"{', '.join(names)} {'needs' if len(names) == 1 else 'need'} word timestamps, but "
+                         f"segment {missing.id} has none (transcribe with word_timestamps=True)")
 
 
 def _layout(segments: list[Segment], options: SubtitleOptions) -> Iterator[list[Word] | Cue]:
