@@ -84,3 +84,42 @@ def test_bad_destinations_and_options_fail_before_any_work(tmp_path):
     for args, message in cases:
         r = encdec("transcribe", "--quiet", *args)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_subtitle_flags_are_refused_before_any_work(capsys):
+    """In process (refused before the model loads): the word layout flags need --word-timestamps, valid values,
+    and an srt or vtt file to shape."""
+    from encdec_engine.entrypoints.cli import main
+
+    clip = [str(AUDIO / "fox.wav"), "--quiet"]
+    cases = [
+        (["--max-line-width", "42", "--output-format", "srt"], "--max-line-width needs --word-timestamps"),
+        (["--highlight-words", "--max-words-per-line", "3", "--output-format", "vtt"],
+         "--highlight-words, --max-words-per-line need --word-timestamps"),
+        (["--word-timestamps", "--output-format", "srt", "--max-line-width", "0"],
+         "max_line_width must be a positive integer"),
+        (["--word-timestamps", "--output-format", "srt", "--max-line-count", "2"],
+         "max_line_count needs max_line_width"),
+        (["--word-timestamps", "--output-format", "srt", "--max-line-width", "42", "--max-words-per-line", "3"],
+         "max_words_per_line and max_line_width exclude each other"),
+        (["--word-timestamps", "--highlight-words"], "only shape srt and vtt files"),
+        (["--word-timestamps", "--highlight-words", "--output-format", "txt"], "only shape srt and vtt files"),
+    ]
+    for args, message in cases:
+        assert main(["transcribe", *clip, *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+
+def test_subtitle_line_layout(tmp_path):
+    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet", "--no-speech-threshold", "none",
+               "--word-timestamps", "--max-line-width", "20", "--max-line-count", "2", "--output-format", "all",
+               "--output-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    words = [w for s in json.loads((tmp_path / "weather.json").read_text())["segments"] for w in s["words"]]
+    cues = (tmp_path / "weather.srt").read_text().split("\n\n")[:-1]
+    lines = [cue.split("\n")[2:] for cue in cues]  # number, times, then the text lines
+    assert len(cues) > 1 and all(1 <= len(text) <= 2 for text in lines)
+    assert all(len(line) <= 20 or " " not in line for text in lines for line in text)
+    assert " ".join(" ".join(text) for text in lines).split() == "".join(w["word"] for w in words).split()
+    assert check_cues((tmp_path / "weather.srt").read_text().splitlines(), SRT_TIME, 10.0) == len(cues)

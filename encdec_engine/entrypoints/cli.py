@@ -7,6 +7,10 @@ import json
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from encdec_engine.entrypoints.subtitles import SubtitleOptions
 
 
 def _engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -49,6 +53,7 @@ def cmd_transcribe(args) -> int:
         options["temperatures"] = (args.temperature,)
     TranscribeOptions(**options)  # bad values fail before the model loads
     writes = args.output_dir or args.output_format
+    subtitles = _subtitle_options(args, writes=bool(writes))
     if writes:  # before any work: a bad destination must not cost the transcription
         out_dir = Path(args.output_dir or ".")
         if out_dir.exists() and not out_dir.is_dir():
@@ -77,11 +82,27 @@ def cmd_transcribe(args) -> int:
             print(f"error: {result.error}", file=sys.stderr)
             continue
         if args.output_dir or args.output_format:
-            write_transcription(result, args.output_format or "all", args.output_dir or ".", path)
+            write_transcription(result, args.output_format or "all", args.output_dir or ".", path, subtitles)
         if not args.quiet or not (args.output_dir or args.output_format):
             header = f"== {path}\n" if len(args.audio) > 1 else ""
             print(header + (render(result, "txt") if not args.verbose else render(result, "vtt")), end="")
     return 1 if failed else 0
+
+
+def _subtitle_options(args, writes: bool) -> SubtitleOptions:
+    """The srt/vtt layout flags as SubtitleOptions; like openai-whisper they need word timestamps, and
+    flags that would change nothing are refused rather than ignored."""
+    from encdec_engine.entrypoints.subtitles import SubtitleOptions
+
+    subtitles = SubtitleOptions(highlight_words=args.highlight_words, max_line_width=args.max_line_width,
+                                max_line_count=args.max_line_count, max_words_per_line=args.max_words_per_line)
+    names = subtitles.set_options
+    flags = ", ".join("--" + name.replace("_", "-") for name in names)
+    if flags and not args.word_timestamps:
+        raise ValueError(f"{flags} {'needs' if len(names) == 1 else 'need'} --word-timestamps")
+    if flags and (not writes or args.output_format in ("txt", "tsv", "json")):
+        raise ValueError(f"{flags} only shape srt and vtt files; add --output-format srt, vtt or all")
+    return subtitles
 
 
 def _is_ct2_folder(path: str) -> bool:
@@ -195,6 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--best-of", type=int, default=5, help="samples per window at temperature > 0")
     tr.add_argument("--word-timestamps", action="store_true",
                     help="time each word (cross-attention alignment); JSON output lists them per segment")
+    tr.add_argument("--highlight-words", action="store_true",
+                    help="srt/vtt: one cue per word, the word underlined in its line (needs --word-timestamps)")
+    tr.add_argument("--max-line-width", type=int, default=None,
+                    help="srt/vtt: characters in a line before it breaks (needs --word-timestamps)")
+    tr.add_argument("--max-line-count", type=int, default=None,
+                    help="srt/vtt: lines per cue, cues then run across segments (needs --max-line-width)")
+    tr.add_argument("--max-words-per-line", type=int, default=None,
+                    help="srt/vtt: words per cue, within a segment (needs --word-timestamps; "
+                         "not with --max-line-width)")
     tr.add_argument("--without-timestamps", action="store_true", help="decode with <|notimestamps|>")
     tr.add_argument("--initial-prompt", default=None, help="text that conditions the first window")
     tr.add_argument("--no-speech-threshold", type=_optional_float, default=0.6,

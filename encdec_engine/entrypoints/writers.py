@@ -4,6 +4,7 @@ The formats follow openai-whisper's ``whisper/utils.py`` (``format_timestamp`` a
 ``Write*`` result writers) so that files from this engine can be diffed against files
 from ``whisper audio.wav --output_format ...``. ``render`` gives one format as a string
 (stdout, the HTTP server's response bodies); ``write_transcription`` saves formats to files.
+``SubtitleOptions`` (openai-whisper's word options) shape the srt and vtt cues; see ``subtitles``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from encdec_engine.entrypoints.subtitles import SubtitleOptions, check_words, subtitle_cues
 from encdec_engine.outputs import Segment, Transcription
 
 OUTPUT_FORMATS: tuple[str, ...] = ("txt", "vtt", "srt", "tsv", "json")
@@ -41,36 +43,30 @@ def format_timestamp(seconds: float, always_include_hours: bool = False, decimal
     return f"{hours_marker}{minutes:02d}:{secs:02d}{decimal_marker}{milliseconds:03d}"
 
 
-def _subtitle_text(segment: Segment) -> str:
-    # "-->" inside cue text would read as a timing line to SRT/VTT parsers.
-    return segment.text.strip().replace("-->", "->")
-
-
-def _render_txt(t: Transcription) -> str:
+def _render_txt(t: Transcription, options: SubtitleOptions) -> str:
     """One stripped segment text per line."""
     return "".join(f"{s.text.strip()}\n" for s in t.segments)
 
 
-def _render_vtt(t: Transcription) -> str:
+def _render_vtt(t: Transcription, options: SubtitleOptions) -> str:
     """WebVTT: a ``WEBVTT`` header, then ``start --> end`` cues with "." and optional hours."""
     parts = ["WEBVTT\n\n"]
-    for s in t.segments:
-        start, end = format_timestamp(s.start), format_timestamp(s.end)
-        parts.append(f"{start} --> {end}\n{_subtitle_text(s)}\n\n")
+    for cue in subtitle_cues(t, options):
+        parts.append(f"{format_timestamp(cue.start)} --> {format_timestamp(cue.end)}\n{cue.text}\n\n")
     return "".join(parts)
 
 
-def _render_srt(t: Transcription) -> str:
+def _render_srt(t: Transcription, options: SubtitleOptions) -> str:
     """SubRip: 1-based cue numbers, ``HH:MM:SS,mmm`` times (hours always), a blank line after each cue."""
-    parts = []
-    for i, s in enumerate(t.segments, start=1):
-        start = format_timestamp(s.start, always_include_hours=True, decimal_marker=",")
-        end = format_timestamp(s.end, always_include_hours=True, decimal_marker=",")
-        parts.append(f"{i}\n{start} --> {end}\n{_subtitle_text(s)}\n\n")
-    return "".join(parts)
+    return "".join(f"{i}\n{_srt_time(cue.start)} --> {_srt_time(cue.end)}\n{cue.text}\n\n"
+                   for i, cue in enumerate(subtitle_cues(t, options), start=1))
 
 
-def _render_tsv(t: Transcription) -> str:
+def _srt_time(seconds: float) -> str:
+    return format_timestamp(seconds, always_include_hours=True, decimal_marker=",")
+
+
+def _render_tsv(t: Transcription, options: SubtitleOptions) -> str:
     """``start<TAB>end<TAB>text`` with integer milliseconds.
 
     Integer milliseconds keep a locale's decimal comma out of the numbers; tabs in the
@@ -113,13 +109,14 @@ def transcription_to_dict(t: Transcription) -> dict[str, Any]:
     }
 
 
-def _render_json(t: Transcription) -> str:
+def _render_json(t: Transcription, options: SubtitleOptions) -> str:
     # Default json.dumps settings (ASCII escapes, no indent) as openai-whisper's json.dump:
     # same bytes for the same result, and safe to embed anywhere.
     return json.dumps(transcription_to_dict(t))
 
 
-_RENDERERS: dict[str, Callable[[Transcription], str]] = {
+# Each takes the subtitle options; only srt and vtt use them (as in openai-whisper).
+_RENDERERS: dict[str, Callable[[Transcription, SubtitleOptions], str]] = {
     "txt": _render_txt,
     "vtt": _render_vtt,
     "srt": _render_srt,
@@ -133,16 +130,17 @@ def _unknown_format(fmt: str, allow_all: bool) -> ValueError:
     return ValueError(f"unknown output format {fmt!r}; expected one of: {known}")
 
 
-def render(t: Transcription, fmt: str) -> str:
+def render(t: Transcription, fmt: str, options: SubtitleOptions | None = None) -> str:
     """The text of ``t`` in one of ``OUTPUT_FORMATS`` (what the file of that format would hold).
 
-    OpenAI's API response formats map onto these: ``text`` -> ``txt``, ``srt``, ``vtt``,
-    ``verbose_json`` -> ``json``; its plain ``json`` is just ``{"text": t.text}``.
+    ``options`` lay out srt and vtt cues from word timestamps (ValueError when a segment has none);
+    the other formats ignore them. OpenAI's API response formats map onto these: ``text`` -> ``txt``,
+    ``srt``, ``vtt``, ``verbose_json`` -> ``json``; its plain ``json`` is just ``{"text": t.text}``.
     """
     renderer = _RENDERERS.get(fmt)
     if renderer is None:
         raise _unknown_format(fmt, allow_all=False)
-    return renderer(t)
+    return renderer(t, options or SubtitleOptions())
 
 
 def output_basename(audio_path: str | Path | None, t: Transcription | None = None) -> str:
@@ -157,12 +155,13 @@ def output_basename(audio_path: str | Path | None, t: Transcription | None = Non
     return Path(source).stem or DEFAULT_BASENAME
 
 
-def write_transcription(t: Transcription, fmt: str, output_dir: str | Path,
-                        audio_path: str | Path | None) -> list[Path]:
+def write_transcription(t: Transcription, fmt: str, output_dir: str | Path, audio_path: str | Path | None,
+                        options: SubtitleOptions | None = None) -> list[Path]:
     """Write ``t`` as ``<output_dir>/<audio basename>.<fmt>`` (UTF-8); ``fmt="all"`` writes every format.
 
-    Creates ``output_dir`` if needed and returns the paths written, in ``OUTPUT_FORMATS`` order.
-    Raises ValueError for an unknown format before anything is written.
+    ``options`` shape the srt and vtt files (see ``render``). Creates ``output_dir`` if needed and
+    returns the paths written, in ``OUTPUT_FORMATS`` order. Raises ValueError for an unknown format,
+    or for options that need word timestamps ``t`` lacks, before anything is written.
     """
     if fmt == ALL_FORMATS:
         formats = OUTPUT_FORMATS
@@ -170,6 +169,9 @@ def write_transcription(t: Transcription, fmt: str, output_dir: str | Path,
         formats = (fmt,)
     else:
         raise _unknown_format(fmt, allow_all=True)
+    options = options or SubtitleOptions()
+    if "srt" in formats or "vtt" in formats:
+        check_words(t, options)
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = output_basename(audio_path, t)
@@ -178,6 +180,6 @@ def write_transcription(t: Transcription, fmt: str, output_dir: str | Path,
         path = out_dir / f"{stem}.{f}"
         # newline="" keeps the bytes equal to render() on every platform (no "\r\n" on Windows).
         with open(path, "w", encoding="utf-8", newline="") as fh:
-            fh.write(render(t, f))
+            fh.write(render(t, f, options))
         written.append(path)
     return written
