@@ -25,15 +25,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from encdec_engine.inputs.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
+from encdec_engine.inputs.audio import FRAMES_PER_SECOND, HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
 from encdec_engine.inputs.audio_features import log_mel_spectrogram
 from encdec_engine.layers.whisper_timestamps import timestamp_rules_from_generation_config
 from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens, language_code
 from encdec_engine.outputs import RequestOutput, Segment, Transcription
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.word_timestamps import add_word_timestamps, alignment_heads, find_alignment
+from encdec_engine.word_timestamps import add_word_timestamps, alignment_heads, cut_hallucinations, find_alignment
 
-FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # 100 mel frames per second
 INPUT_STRIDE = 2  # mel frames per encoder position (the second conv has stride 2)
 
 
@@ -52,12 +51,46 @@ class TranscribeOptions:
     word_timestamps: bool = False  # words with start, end and probability, from the cross-attention alignment
     best_of: int = 5  # samples per window when temperature > 0
     seed: int = 0  # sampling at temperature > 0 is seeded per window: reruns give the same text
+    # Seconds: start,end[,start,end...] of the parts to transcribe ("0,10,20,30" or a list); an odd count's
+    # last clip runs to the end of the audio. Empty: everything.
+    clip_timestamps: tuple[float, ...] | str = ()
+    # Seconds (needs word_timestamps): around a probable hallucination, silence at least this long is skipped.
+    hallucination_silence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "best_of"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
+        object.__setattr__(self, "clip_timestamps", _clip_timestamps(self.clip_timestamps))
+        threshold = self.hallucination_silence_threshold
+        if threshold is not None:
+            if not isinstance(threshold, (int, float)) or not math.isfinite(threshold) or threshold <= 0:
+                raise ValueError(f"hallucination_silence_threshold must be a positive number of seconds, "
+                                 f"got {threshold!r}")
+            if not self.word_timestamps:
+                raise ValueError("hallucination_silence_threshold needs word_timestamps=True (it judges words)")
+
+    @property
+    def openai_windows(self) -> bool:
+        """Whether every input, even one of 30 s or less, takes the long-form path (openai-whisper's
+        features and seeking): clips and hallucination skips move within the audio."""
+        return bool(self.clip_timestamps) or self.hallucination_silence_threshold is not None
+
+
+def _clip_timestamps(value) -> tuple[float, ...]:
+    """Validated clip boundaries in seconds, ascending: start < end, each clip after the one before."""
+    if isinstance(value, str):
+        try:
+            value = [float(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"clip_timestamps must be comma-separated seconds, got {value!r}") from None
+    times = tuple(float(v) for v in value)
+    if any(not math.isfinite(t) or t < 0 for t in times):
+        raise ValueError(f"clip_timestamps must be non-negative seconds, got {list(times)}")
+    if any(b <= a for a, b in zip(times, times[1:])):
+        raise ValueError(f"clip_timestamps must ascend (each clip's start < end <= the next start), got {list(times)}")
+    return times
 
 
 def compression_ratio(text: str) -> float:
@@ -99,6 +132,9 @@ class TranscriptionJob:
     segments: list[Segment] = field(default_factory=list)
     pending: DecodedWindow | None = None  # a decoded window waiting for its word alignment
     last_speech: float = 0.0  # end of the last word so far (word timestamps)
+    long_form: bool = False  # openai-whisper's windows over the whole log-mel (else: one HF window)
+    clips: list[tuple[int, int]] = field(default_factory=list)  # mel frames [start, end) to transcribe
+    clip_index: int = 0
 
     @property
     def duration(self) -> float:
@@ -109,8 +145,9 @@ class TranscriptionJob:
         return 0 if self.samples is None else len(self.samples) // HOP_LENGTH
 
     @property
-    def long_form(self) -> bool:
-        return self.samples is not None and len(self.samples) > N_SAMPLES
+    def done(self) -> bool:
+        """Nothing left to transcribe (every clip is done)."""
+        return self.long_form and self.clip_index >= len(self.clips)
 
 
 class Transcriber:
@@ -149,7 +186,7 @@ class Transcriber:
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1 (or None: every input at once), got {max_in_flight}")
         jobs = [self.load(i, x) for i, x in enumerate(inputs)]
-        queue = [j for j in jobs if j.error is None]
+        queue = [j for j in jobs if j.error is None and not j.done]
         in_flight: dict[str, TranscriptionJob] = {}
         bar = tqdm(total=round(sum(j.duration for j in jobs), 1), unit="s", desc="Transcribing", disable=not use_tqdm)
         files_done, bar_files = 0, len(queue)
@@ -193,8 +230,29 @@ class Transcriber:
         except ValueError as e:  # AudioError included
             job.error = str(e)
         if job.error is None:
+            job.long_form = len(job.samples) > N_SAMPLES or self.options.openai_windows
+            job.clips = self._clips(job)
+            self._advance(job)
             job.mel = self._log_mel(job)
         return job
+
+    def _clips(self, job: TranscriptionJob) -> list[tuple[int, int]]:
+        """clip_timestamps as mel frames within the audio (openai-whisper: a missing last end is the end)."""
+        points = [round(t * FRAMES_PER_SECOND) for t in self.options.clip_timestamps] or [0]
+        if len(points) % 2:
+            points.append(job.num_frames)
+        return [(min(start, job.num_frames), min(end, job.num_frames)) for start, end in zip(points[::2], points[1::2])]
+
+    @staticmethod
+    def _advance(job: TranscriptionJob) -> bool:
+        """Move `seek` into the first clip with audio left; False when none has."""
+        while job.clip_index < len(job.clips):
+            start, end = job.clips[job.clip_index]
+            job.seek = max(job.seek, start)
+            if job.seek < end:
+                return True
+            job.clip_index += 1
+        return False
 
     def _log_mel(self, job: TranscriptionJob) -> torch.Tensor:
         if not job.long_form:  # HF semantics: the zero-padded 30 s window is normalized as a whole
@@ -290,7 +348,7 @@ class Transcriber:
         job.window += 1
         if silence and not (opts.logprob_threshold is not None and avg_logprob > opts.logprob_threshold):
             job.seek += self._window_frames(job)  # skipped: no segment, nothing conditions the next window
-            return job.long_form and job.seek < job.num_frames
+            return job.long_form and self._advance(job)
         window = self._decoded_window(job, tokens, temperature, avg_logprob, ratio, no_speech)
         if self.options.word_timestamps:
             if self._alignable(job, window):
@@ -318,6 +376,16 @@ class Transcriber:
         end = window.last_word_end
         if job.long_form and not window.single_ending and end is not None and end > window.offset:
             window.seek = round(end * FRAMES_PER_SECOND)  # openai-whisper: seek to the last word's end
+        threshold = self.options.hallucination_silence_threshold
+        if threshold is not None:
+            cut = cut_hallucinations(window.segments, threshold, job.seek, window.num_frames, window.single_ending,
+                                     job.last_speech, job.num_frames)
+            if cut.discard:  # as if never decoded: no segments, the last speech stays
+                job.seek = cut.seek
+                return self._advance(job)
+            del window.segments[cut.keep :]
+            if cut.seek is not None:
+                window.seek = cut.seek
         return self._commit(job, window)
 
     def _commit(self, job: TranscriptionJob, window: DecodedWindow) -> bool:
@@ -335,12 +403,14 @@ class Transcriber:
         if self.options.word_timestamps and window.segments:  # the last speech: its last word, or segment
             end = window.last_word_end
             job.last_speech = window.segments[-1].end if end is None else end
-        return job.long_form and job.seek < job.num_frames
+        return job.long_form and self._advance(job)
 
     @staticmethod
     def _window_frames(job: TranscriptionJob) -> int:
         """Mel frames of audio the current window covers."""
-        return min(N_FRAMES, job.num_frames - job.seek) if job.long_form else job.num_frames
+        if not job.long_form:
+            return job.num_frames
+        return min(N_FRAMES, job.num_frames - job.seek, job.clips[job.clip_index][1] - job.seek)
 
     def _decoded_window(self, job: TranscriptionJob, tokens: list[int], temperature: float, avg_logprob: float,
                         ratio: float, no_speech: float) -> DecodedWindow:

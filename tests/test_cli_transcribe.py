@@ -80,6 +80,8 @@ def test_bad_destinations_and_options_fail_before_any_work(tmp_path):
         (two + ["--output-dir", str(tmp_path / "out")], "would both be written as x.*"),
         (one + ["--batch-size", "-1"], "--batch-size must be at least 1"),
         (one + ["--beam-size", "0"], "beam_size must be an integer of at least 1"),
+        (one + ["--hallucination-silence-threshold", "2"], "hallucination_silence_threshold needs word_timestamps"),
+        (one + ["--clip-timestamps", "5,2"], "clip_timestamps must ascend"),
     ]
     for args, message in cases:
         r = encdec("transcribe", "--quiet", *args)

@@ -48,7 +48,8 @@ def cmd_transcribe(args) -> int:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt,
                "no_speech_threshold": args.no_speech_threshold, "beam_size": args.beam_size, "best_of": args.best_of,
-               "word_timestamps": args.word_timestamps}
+               "word_timestamps": args.word_timestamps, "clip_timestamps": args.clip_timestamps,
+               "hallucination_silence_threshold": args.hallucination_silence_threshold}
     if args.temperature is not None:
         options["temperatures"] = (args.temperature,)
     TranscribeOptions(**options)  # bad values fail before the model loads
@@ -225,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-words-per-line", type=int, default=None,
                     help="srt/vtt: words per cue, within a segment (needs --word-timestamps; "
                          "not with --max-line-width)")
+    tr.add_argument("--clip-timestamps", default="",
+                    help="seconds start,end[,start,end...] of the parts to transcribe; an odd count runs to the end")
+    tr.add_argument("--hallucination-silence-threshold", type=float, default=None,
+                    help="seconds: skip silence this long around a probable hallucination (needs --word-timestamps)")
     tr.add_argument("--without-timestamps", action="store_true", help="decode with <|notimestamps|>")
     tr.add_argument("--initial-prompt", default=None, help="text that conditions the first window")
     tr.add_argument("--no-speech-threshold", type=_optional_float, default=0.6,

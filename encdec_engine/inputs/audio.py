@@ -16,6 +16,7 @@ HOP_LENGTH = 160  # samples between STFT frames (10 ms)
 CHUNK_LENGTH = 30  # s, the fixed Whisper input window
 N_SAMPLES = CHUNK_LENGTH * SAMPLE_RATE  # 480000 samples in a 30 s window
 N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 frames in a 30 s mel
+FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # 100 mel frames per second
 
 # Extensions we expect to decode; anything else is reported as unsupported, not corrupt.
 AUDIO_EXTENSIONS = frozenset(
