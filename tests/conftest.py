@@ -41,6 +41,20 @@ def bart_path(bart_paths) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bart_llm(bart_path, make_llm):
+    """The small BART checkpoint's engine, shared by the sampling tests."""
+    return make_llm(bart_path, num_kv_blocks=400)
+
+
+@pytest.fixture(scope="session")
+def hf_bart(bart_path):
+    """HF's model of the same checkpoint, the reference."""
+    from transformers import BartForConditionalGeneration
+
+    return BartForConditionalGeneration.from_pretrained(bart_path).eval()
+
+
+@pytest.fixture(scope="session")
 def make_llm():
     """Build (and remember) an LLM; engines are checked for leaks after every test."""
     from encdec_engine import LLM

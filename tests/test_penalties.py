@@ -4,20 +4,10 @@
 import pytest
 import torch
 from helpers import hf_greedy, mixed_prompts
-from transformers import BartForConditionalGeneration, LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from encdec_engine import SamplingParams
 from encdec_engine.layers.logits_processors import banned_bad_word_tokens
-
-
-@pytest.fixture(scope="module")
-def llm(bart_path, make_llm):
-    return make_llm(bart_path, num_kv_blocks=400)
-
-
-@pytest.fixture(scope="module")
-def hf_model(bart_path):
-    return BartForConditionalGeneration.from_pretrained(bart_path).eval()
 
 
 class VllmPenalties(LogitsProcessor):
@@ -38,47 +28,47 @@ def generate(llm, prompts, **params):
 
 
 @pytest.mark.parametrize("presence,frequency", [(1.5, 0.0), (0.0, 0.7), (0.5, 1.0), (-0.5, 0.0)])
-def test_presence_and_frequency_penalties_match_reference(llm, hf_model, presence, frequency):
-    prompts = mixed_prompts(llm.get_tokenizer(), n=8, seed=3)
-    plain = generate(llm, prompts)
-    outs = generate(llm, prompts, presence_penalty=presence, frequency_penalty=frequency)
+def test_presence_and_frequency_penalties_match_reference(bart_llm, hf_bart, presence, frequency):
+    prompts = mixed_prompts(bart_llm.get_tokenizer(), n=8, seed=3)
+    plain = generate(bart_llm, prompts)
+    outs = generate(bart_llm, prompts, presence_penalty=presence, frequency_penalty=frequency)
     assert any(o.outputs[0].token_ids != p.outputs[0].token_ids for o, p in zip(outs, plain))  # it bites
     for o in outs:
         reference = LogitsProcessorList([VllmPenalties(len(o.prompt_token_ids), presence, frequency)])
-        ref = hf_greedy(hf_model, o.encoder_prompt_token_ids, o.prompt_token_ids, 16, logits_processor=reference)
+        ref = hf_greedy(hf_bart, o.encoder_prompt_token_ids, o.prompt_token_ids, 16, logits_processor=reference)
         assert o.outputs[0].token_ids == ref
 
 
-def test_logit_bias_matches_hf_sequence_bias(llm, hf_model):
-    prompts = mixed_prompts(llm.get_tokenizer(), n=8, seed=4)
-    plain = generate(llm, prompts)
+def test_logit_bias_matches_hf_sequence_bias(bart_llm, hf_bart):
+    prompts = mixed_prompts(bart_llm.get_tokenizer(), n=8, seed=4)
+    plain = generate(bart_llm, prompts)
     common = plain[0].outputs[0].token_ids[2]
     bias = {common: -4.0, 17: 3.0, 300: 2.5}
-    outs = generate(llm, prompts, logit_bias=bias, repetition_penalty=1.3)  # HF: bias first, then the penalty
+    outs = generate(bart_llm, prompts, logit_bias=bias, repetition_penalty=1.3)  # HF: bias first, then the penalty
     assert any(o.outputs[0].token_ids != p.outputs[0].token_ids for o, p in zip(outs, plain))
     for o in outs:
-        ref = hf_greedy(hf_model, o.encoder_prompt_token_ids, o.prompt_token_ids, 16, repetition_penalty=1.3,
+        ref = hf_greedy(hf_bart, o.encoder_prompt_token_ids, o.prompt_token_ids, 16, repetition_penalty=1.3,
                         sequence_bias={(t,): b for t, b in bias.items()})
         assert o.outputs[0].token_ids == ref
 
 
-def test_bad_words_match_hf_bad_words_ids(llm, hf_model):
-    tok = llm.get_tokenizer()
+def test_bad_words_match_hf_bad_words_ids(bart_llm, hf_bart):
+    tok = bart_llm.get_tokenizer()
     prompts = mixed_prompts(tok, n=8, seed=5)
-    plain = generate(llm, prompts)
+    plain = generate(bart_llm, prompts)
     first = plain[0].outputs[0].token_ids
     # A one-token word the first output uses, and two-token words from it (random weights: odd strings).
     single = next(w for t in first if len(tok.encode(w := tok.decode([t]).strip(), add_special_tokens=False)) == 1)
     pairs = [w for a, b in zip(first, first[1:])
              if len(tok.encode(w := tok.decode([a, b]).strip(), add_special_tokens=False)) == 2][:2]
     params = SamplingParams(temperature=0, max_tokens=16, bad_words=[single, *pairs])
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = bart_llm.generate(prompts, params, use_tqdm=False)
     ids = params.bad_words_token_ids
     assert pairs and any(len(w) == 2 for w in ids)
     assert outs[0].outputs[0].token_ids != first
     for o in outs:
         got = o.outputs[0].token_ids
-        assert got == hf_greedy(hf_model, o.encoder_prompt_token_ids, o.prompt_token_ids, 16, bad_words_ids=ids)
+        assert got == hf_greedy(hf_bart, o.encoder_prompt_token_ids, o.prompt_token_ids, 16, bad_words_ids=ids)
         assert not any(got[i : i + len(w)] == w for w in ids for i in range(len(got)))
 
 
@@ -100,10 +90,10 @@ def test_bad_values_name_the_field(field, value, match):
         SamplingParams(**{field: value})
 
 
-def test_logit_bias_outside_the_vocabulary_is_refused_at_add_time(llm):
+def test_logit_bias_outside_the_vocabulary_is_refused_at_add_time(bart_llm):
     with pytest.raises(ValueError, match="SamplingParams.logit_bias .*vocabulary"):
-        generate(llm, ["The rain in spain"], logit_bias={10_000: 1.0})
-    assert not llm.engine.has_unfinished_requests()
+        generate(bart_llm, ["The rain in spain"], logit_bias={10_000: 1.0})
+    assert not bart_llm.engine.has_unfinished_requests()
 
 
 def test_bad_words_need_a_tokenizer(bart_path, make_llm):

@@ -3,20 +3,19 @@
 import pytest
 import torch
 from helpers import hf_greedy, mixed_prompts
-from transformers import BartForConditionalGeneration
 
 from encdec_engine import SamplingParams
 from encdec_engine.layers.logits_processors import SamplingRow, apply_top_k_top_p_min_p, banned_ngram_tokens
 
 
-@pytest.fixture(scope="module")
-def llm(bart_path, make_llm):
-    return make_llm(bart_path, num_kv_blocks=400)
+@pytest.fixture
+def llm(bart_llm):
+    return bart_llm
 
 
-@pytest.fixture(scope="module")
-def hf_model(bart_path):
-    return BartForConditionalGeneration.from_pretrained(bart_path).eval()
+@pytest.fixture
+def hf_model(hf_bart):
+    return hf_bart
 
 
 @pytest.mark.parametrize(
