@@ -1,0 +1,63 @@
+"""Options of a transcription (openai-whisper's and faster-whisper's names), validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TranscribeOptions:
+    language: str | None = None  # None: English-only checkpoints use English; multilingual ones detect it
+    task: str = "transcribe"  # or "translate" (multilingual checkpoints)
+    timestamps: bool = True  # timed segments; False decodes with <|notimestamps|> (one segment per window)
+    initial_prompt: str | None = None  # text that conditions the first window (<|startofprev|>)
+    condition_on_previous_text: bool = True  # long-form: each window sees the previous window's text
+    temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # fallback sequence
+    compression_ratio_threshold: float | None = 2.4  # above: the window looped, retry hotter
+    logprob_threshold: float | None = -1.0  # mean token log-probability below: retry hotter
+    no_speech_threshold: float | None = 0.6  # no-speech probability above (and an improbable text): skip
+    beam_size: int = 1  # beams per window at temperature 0 (1: greedy, as HF generate's default)
+    word_timestamps: bool = False  # words with start, end and probability, from the cross-attention alignment
+    best_of: int = 5  # samples per window when temperature > 0
+    seed: int = 0  # sampling at temperature > 0 is seeded per window: reruns give the same text
+    # Seconds: start,end[,start,end...] of the parts to transcribe ("0,10,20,30" or a list); an odd count's
+    # last clip runs to the end of the audio. Empty: everything.
+    clip_timestamps: tuple[float, ...] | str = ()
+    # Seconds (needs word_timestamps): around a probable hallucination, silence at least this long is skipped.
+    hallucination_silence_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("beam_size", "best_of"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
+        object.__setattr__(self, "clip_timestamps", _clip_timestamps(self.clip_timestamps))
+        threshold = self.hallucination_silence_threshold
+        if threshold is not None:
+            if not isinstance(threshold, (int, float)) or not math.isfinite(threshold) or threshold <= 0:
+                raise ValueError(f"hallucination_silence_threshold must be a positive number of seconds, "
+                                 f"got {threshold!r}")
+            if not self.word_timestamps:
+                raise ValueError("hallucination_silence_threshold needs word_timestamps=True (it judges words)")
+
+    @property
+    def openai_windows(self) -> bool:
+        """Whether every input, even one of 30 s or less, takes the long-form path (openai-whisper's
+        features and seeking): clips and hallucination skips move within the audio."""
+        return bool(self.clip_timestamps) or self.hallucination_silence_threshold is not None
+
+
+def _clip_timestamps(value) -> tuple[float, ...]:
+    """Validated clip boundaries in seconds, ascending: start < end, each clip after the one before."""
+    if isinstance(value, str):
+        try:
+            value = [float(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"clip_timestamps must be comma-separated seconds, got {value!r}") from None
+    times = tuple(float(v) for v in value)
+    if any(not math.isfinite(t) or t < 0 for t in times):
+        raise ValueError(f"clip_timestamps must be non-negative seconds, got {list(times)}")
+    if any(b <= a for a, b in zip(times, times[1:])):
+        raise ValueError(f"clip_timestamps must ascend (each clip's start < end <= the next start), got {list(times)}")
+    return times
