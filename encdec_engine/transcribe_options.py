@@ -26,6 +26,9 @@ class TranscribeOptions:
     clip_timestamps: tuple[float, ...] | str = ()
     # Seconds (needs word_timestamps): around a probable hallucination, silence at least this long is skipped.
     hallucination_silence_threshold: float | None = None
+    # Audio over 30 s is cut at its quietest moments into windows decoded all at once (as faster-whisper's
+    # batched pipeline decodes its chunks): faster for one long file, but no window sees an earlier one's text.
+    chunked: bool = False
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "best_of"):

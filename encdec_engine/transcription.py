@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from encdec_engine.inputs.audio import FRAMES_PER_SECOND, HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
+from encdec_engine.inputs.audio_chunks import frame_loudness, quiet_cuts
 from encdec_engine.inputs.audio_features import log_mel_spectrogram
 from encdec_engine.layers.whisper_timestamps import timestamp_rules_from_generation_config
 from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens, language_code
@@ -79,6 +80,7 @@ class TranscriptionJob:
     long_form: bool = False  # openai-whisper's windows over the whole log-mel (else: one HF window)
     clips: list[tuple[int, int]] = field(default_factory=list)  # mel frames [start, end) to transcribe
     clip_index: int = 0
+    part: int = 0  # chunked: which chunk of the input this job transcribes
 
     @property
     def duration(self) -> float:
@@ -130,10 +132,12 @@ class Transcriber:
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1 (or None: every input at once), got {max_in_flight}")
         jobs = [self.load(i, x) for i, x in enumerate(inputs)]
-        queue = [j for j in jobs if j.error is None and not j.done]
+        parts = {j.index: self.split(j) for j in jobs}
+        queue = [p for j in jobs if j.error is None for p in parts[j.index] if not p.done]
+        parts_left = {j.index: sum(p.index == j.index for p in queue) for j in jobs}
         in_flight: dict[str, TranscriptionJob] = {}
         bar = tqdm(total=round(sum(j.duration for j in jobs), 1), unit="s", desc="Transcribing", disable=not use_tqdm)
-        files_done, bar_files = 0, len(queue)
+        files_done, bar_files = 0, sum(1 for left in parts_left.values() if left)
         limit = max_in_flight or len(queue) or 1
         try:
             while queue or in_flight:
@@ -147,7 +151,8 @@ class Transcriber:
                     if self.take(job, out):
                         self._submit(job, in_flight)
                     else:
-                        files_done += 1
+                        parts_left[job.index] -= 1
+                        files_done += not parts_left[job.index]
                         bar.set_postfix_str(f"files {files_done}/{bar_files}")
                     bar.update(round((min(job.seek, job.num_frames) - before) / FRAMES_PER_SECOND, 1))
         except BaseException:
@@ -156,11 +161,11 @@ class Transcriber:
             raise
         finally:
             bar.close()
-        return [self.result(j) for j in jobs]
+        return [self.result(self.merge(j, parts[j.index])) for j in jobs]
 
     def _submit(self, job: TranscriptionJob, in_flight: dict[str, TranscriptionJob]) -> None:
         align = "-words" if job.pending is not None else ""
-        rid = f"transcribe-{id(self)}-{job.index}-{job.window}-{job.temperature_index}{align}"
+        rid = f"transcribe-{id(self)}-{job.index}-{job.part}-{job.window}-{job.temperature_index}{align}"
         self.engine.add_request(rid, *self.next_request(job))
         in_flight[rid] = job
 
@@ -175,9 +180,31 @@ class Transcriber:
             job.error = str(e)
         if job.error is None:
             job.long_form = len(job.samples) > N_SAMPLES or self.options.openai_windows
-            job.clips = self._clips(job)
-            self._advance(job)
             job.mel = self._log_mel(job)
+            job.clips = self._clips(job)
+            if self.options.chunked and job.long_form:
+                loudness = frame_loudness(job.mel)
+                job.clips = [span for clip in job.clips for span in quiet_cuts(loudness, *clip)]
+            self._advance(job)
+        return job
+
+    def split(self, job: TranscriptionJob) -> list[TranscriptionJob]:
+        """Chunked: one job per chunk (sharing the audio and log-mel), to run at once; else [job]."""
+        if not self.options.chunked or len(job.clips) < 2:
+            return [job]
+        return [TranscriptionJob(job.index, job.source, samples=job.samples, language=job.language, mel=job.mel,
+                                 seek=start, long_form=True, clips=[(start, end)], part=i)
+                for i, (start, end) in enumerate(job.clips)]
+
+    @staticmethod
+    def merge(job: TranscriptionJob, parts: list[TranscriptionJob]) -> TranscriptionJob:
+        """The input's job with its parts' segments in order (the job itself when it was not split)."""
+        if parts[0] is job:
+            return job
+        job.segments = [seg for part in parts for seg in part.segments]
+        for i, seg in enumerate(job.segments):
+            seg.id = i
+        job.language = next((p.language for p in parts if p.language is not None), job.language)
         return job
 
     def _clips(self, job: TranscriptionJob) -> list[tuple[int, int]]:
@@ -251,7 +278,7 @@ class Transcriber:
         beams = 1 if sampled else self.options.beam_size  # openai-whisper: beams at 0, best_of samples above
         return SamplingParams(
             temperature=temperature, n=1, best_of=self.options.best_of if sampled else 1, num_beams=beams,
-            seed=self.options.seed + 1000 * job.index + job.window if sampled else None,
+            seed=self.options.seed + 1000 * job.index + job.window + 1_000_000 * job.part if sampled else None,
             max_tokens=self._max_tokens(prompt_len), logprobs=0 if beams == 1 else None, skip_special_tokens=True,
             no_speech_token_id=self.tokens.no_speech,
             suppress_tokens=self.suppress, begin_suppress_tokens=self.begin_suppress,

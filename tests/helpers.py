@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -125,3 +126,9 @@ def assert_preemption_keeps_outputs(make_llm, path, prompts, params, **tight) ->
     squeezed = squeezed_llm.generate(prompts, params, use_tqdm=False)
     assert squeezed_llm.engine.scheduler.num_preemptions > before, "the small pool should force preemption"
     assert [[c.token_ids for c in o.outputs] for o in squeezed] == [[c.token_ids for c in o.outputs] for o in roomy]
+
+
+def norm(text: str) -> str:
+    """Lowercase words without punctuation, for WER."""
+    return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
+

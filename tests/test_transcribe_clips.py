@@ -1,15 +1,19 @@
 """clip_timestamps and hallucination_silence_threshold (openai-whisper's options; on long_meeting.flac and a
 noisy mix the engine's segments and words equal faster-whisper's with them, checked by hand)."""
 
+import json
 from pathlib import Path
 
+import jiwer
 import pytest
+from helpers import norm
 
 from encdec_engine.outputs import Segment, Word
 from encdec_engine.transcription import TranscribeOptions
 from encdec_engine.word_timestamps import cut_hallucinations, is_segment_anomaly, word_anomaly_score
 
 AUDIO = Path(__file__).resolve().parents[1] / "prompts" / "audio"
+TRANSCRIPTS = json.loads((AUDIO / "transcripts.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +129,48 @@ def test_cut_keeps_a_hallucination_like_segment_next_to_speech():
     cut = cut_hallucinations(segments, 2.0, seek=1000, window_frames=3000, single_ending=False,
                              last_speech=9.0, total_frames=6000)
     assert (cut.keep, cut.discard) == (3, False)
+
+
+def test_quiet_cuts_fall_in_the_quietest_frames():
+    import numpy as np
+
+    from encdec_engine.inputs.audio_chunks import quiet_cuts
+
+    loudness = np.zeros(7000)
+    assert quiet_cuts(loudness, 0, 2500) == [(0, 2500)]
+    loudness[2500], loudness[5100] = -5.0, -3.0  # pauses, within the last 10 s of each 30 s span
+    loudness[1000] = -9.0  # quieter, but too early: the window would be 10 s
+    assert quiet_cuts(loudness, 0, 7000) == [(0, 2500), (2500, 5100), (5100, 7000)]
+    flat = quiet_cuts(np.zeros(7000), 0, 7000)  # no pause: the latest frame, a full window each
+    assert flat == [(0, 3000), (3000, 6000), (6000, 7000)]
+    assert quiet_cuts(loudness, 4000, 6500) == [(4000, 6500)]
+
+
+def test_chunked_runs_the_chunks_of_one_file_at_once(tiny_en, monkeypatch):
+    engine, added, finished = tiny_en.engine, [], []
+    add, step = engine.add_request, engine.step
+
+    def recording_add(request_id, *args):
+        added.append((request_id, len(finished)))
+        return add(request_id, *args)
+
+    def recording_step():
+        outs = step()
+        finished.extend(o.request_id for o in outs if o.finished)
+        return outs
+
+    monkeypatch.setattr(engine, "add_request", recording_add)
+    monkeypatch.setattr(engine, "step", recording_step)
+    chunked = tiny_en.transcribe(AUDIO / "long_meeting.flac", chunked=True, word_timestamps=True)[0]
+    monkeypatch.undo()
+    parts = sorted({rid.split("-")[3] for rid, _ in added})
+    assert len(parts) >= 3
+    assert all(done == 0 for rid, done in added if rid.endswith("-0-0")), added  # every chunk starts at once
+    assert [s.id for s in chunked.segments] == list(range(len(chunked.segments)))
+    assert all(a.end <= b.start + 0.01 for a, b in zip(chunked.segments, chunked.segments[1:]))
+    assert all(s.words and s.start - 0.7 <= s.words[0].start for s in chunked.segments)
+    wer = jiwer.wer(norm(TRANSCRIPTS["long_meeting.flac"]), norm(chunked.text))
+    assert wer < 0.15, wer
+    short = AUDIO / "weather.wav"
+    timed = [[(s.start, s.end, s.tokens) for s in t.segments] for t in tiny_en.transcribe([short, short], chunked=True)]
+    assert timed[0] == [(s.start, s.end, s.tokens) for s in tiny_en.transcribe(short)[0].segments] == timed[1]

@@ -1,7 +1,6 @@
 """Whisper end to end: token-exact parity with HF on tiny.en and random-init configs, long-form, errors."""
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import jiwer
 import numpy as np
 import pytest
 import torch
+from helpers import norm
 from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
 from encdec_engine import SamplingParams
@@ -21,10 +21,6 @@ AUDIO = ROOT / "prompts" / "audio"
 TRANSCRIPTS = json.loads((AUDIO / "transcripts.json").read_text())
 SHORT_CLIPS = sorted(n for n in TRANSCRIPTS if not n.startswith("long"))
 EXACT = dict(timestamps=False, temperatures=(0.0,))
-
-
-def norm(text: str) -> str:
-    return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
 
 
 def hf_tokens(model, features: torch.Tensor) -> list[list[int]]:

@@ -49,7 +49,7 @@ def cmd_transcribe(args) -> int:
     options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt,
                "no_speech_threshold": args.no_speech_threshold, "beam_size": args.beam_size, "best_of": args.best_of,
                "word_timestamps": args.word_timestamps, "clip_timestamps": args.clip_timestamps,
-               "hallucination_silence_threshold": args.hallucination_silence_threshold}
+               "hallucination_silence_threshold": args.hallucination_silence_threshold, "chunked": args.chunked}
     if args.temperature is not None:
         options["temperatures"] = (args.temperature,)
     TranscribeOptions(**options)  # bad values fail before the model loads
@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds start,end[,start,end...] of the parts to transcribe; an odd count runs to the end")
     tr.add_argument("--hallucination-silence-threshold", type=float, default=None,
                     help="seconds: skip silence this long around a probable hallucination (needs --word-timestamps)")
+    tr.add_argument("--chunked", action="store_true",
+                    help="cut audio over 30 s at quiet points and decode the windows at once (faster; no window "
+                         "sees an earlier one's text)")
     tr.add_argument("--without-timestamps", action="store_true", help="decode with <|notimestamps|>")
     tr.add_argument("--initial-prompt", default=None, help="text that conditions the first window")
     tr.add_argument("--no-speech-threshold", type=_optional_float, default=0.6,
