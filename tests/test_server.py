@@ -196,6 +196,24 @@ def test_transcription_word_timestamps(whisper_server):
         assert (got.segments is not None) == ("segment" in granularities)
 
 
+def test_transcription_chunking_strategy_auto(whisper_server, tmp_path):
+    """OpenAI's chunking_strategy="auto": the chunks of a 45 s upload run at once, as LLM.transcribe(chunked=True)."""
+    import soundfile
+
+    from encdec_engine.inputs.audio import load_audio
+
+    clip = tmp_path / "meeting45.wav"
+    soundfile.write(clip, load_audio(AUDIO / "long_meeting.flac")[: 45 * 16000], 16000, subtype="PCM_16")
+    opts = TranscribeOptions(language="en", chunked=True)
+    ref = whisper_server.on_engine(lambda e: Transcriber(e, opts).run([clip])[0])
+    with open(clip, "rb") as f:
+        got = whisper_server.client().audio.transcriptions.create(
+            model="whisper-1", file=f, response_format="verbose_json", timestamp_granularities=["segment"],
+            extra_body={"chunking_strategy": "auto"})
+    assert [(s.start, s.end, s.text) for s in got.segments] == [(s.start, s.end, s.text) for s in ref.segments]
+    assert got.segments[-1].end > 40 and [s.id for s in got.segments] == list(range(len(got.segments)))
+
+
 def test_transcription_stream(whisper_server):
     with open(AUDIO / "weather.wav", "rb") as f:
         events = list(whisper_server.client().audio.transcriptions.create(model="whisper-1", file=f, stream=True))
@@ -305,6 +323,8 @@ BAD_AUDIO = [
     (_multipart(response_format="mp3"), 400, "response_format"),
     (_multipart(**{"timestamp_granularities[]": "word"}), 400, "need response_format verbose_json"),
     (_multipart(stream="true", response_format="srt"), 400, "json or text"),
+    (_multipart(stream="true", chunking_strategy="auto"), 400, "chunking_strategy is not supported with stream"),
+    (_multipart(chunking_strategy="server_vad"), 400, "chunking_strategy"),
     (_multipart(language="fr"), 400, "English-only"),
     (_multipart(model="gpt-4o"), 404, "not served here"),
     (_multipart(file=b"RIFF garbage, not audio" * 50), 400, "cannot decode"),

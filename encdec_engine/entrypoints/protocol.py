@@ -260,12 +260,17 @@ class TranscriptionRequest(TranslationRequest):
     language: str | None = None  # ISO-639-1 code; None: English-only models use English, others detect
     timestamp_granularities: list[Literal["segment", "word"]] = Field(default_factory=list)
     stream: bool = False
+    # OpenAI's field: "auto" cuts audio over 30 s at its quietest moments and decodes the chunks at once
+    # (TranscribeOptions.chunked). Absent: windows one after another, each conditioned on the text before.
+    chunking_strategy: Literal["auto"] | None = None
 
     @model_validator(mode="after")
     def _stream_formats(self) -> TranscriptionRequest:
         if self.stream and self.response_format not in ("json", "text"):
             raise ValueError(f"stream=true sends transcript.text events; response_format must be json or text, "
                              f"got {self.response_format!r}")
+        if self.stream and self.chunking_strategy is not None:
+            raise ValueError("chunking_strategy is not supported with stream=true (a stream sends windows in order)")
         if self.timestamp_granularities and self.response_format != "verbose_json":
             raise ValueError(f"timestamp_granularities need response_format verbose_json, "
                              f"got {self.response_format!r}")

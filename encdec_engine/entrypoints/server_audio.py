@@ -60,6 +60,7 @@ async def _audio_request(request: Request, task: str) -> Response:
     options = TranscribeOptions(language=getattr(req, "language", None), task=task, initial_prompt=req.prompt,
                                 timestamps=not stream, temperatures=temperatures,
                                 word_timestamps=getattr(req, "words", False),
+                                chunked=getattr(req, "chunking_strategy", None) == "auto",
                                 no_speech_threshold=None if stream else TranscribeOptions.no_speech_threshold)
     try:
         transcriber = Transcriber(st.engine.engine, options)
@@ -76,10 +77,23 @@ async def _audio_request(request: Request, task: str) -> Response:
             handed_over = True
             return SSEResponse(_transcript_events(st, transcriber, job, request_id, ticket), None, ticket)
 
-        async def run() -> Transcription:
-            async for _ in st.engine.run_transcription(transcriber, job, request_id):
+        async def run_part(part, part_request_id: str) -> None:
+            async for _ in st.engine.run_transcription(transcriber, part, part_request_id):
                 ticket.release()
-            return transcriber.result(job)
+
+        async def run() -> Transcription:
+            parts = transcriber.split(job)  # chunked: every chunk at once; else the job itself
+            if len(parts) == 1:
+                await run_part(job, request_id)
+                return transcriber.result(job)
+            tasks = [asyncio.ensure_future(run_part(part, f"{request_id}-part{i}")) for i, part in enumerate(parts)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:  # one failed or the client left: stop the others (their requests are aborted)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            return transcriber.result(transcriber.merge(job, parts))
 
         result = await until_disconnect(request, run())
     except Exception as e:
