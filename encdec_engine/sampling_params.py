@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import dataclasses
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -78,7 +79,7 @@ class SamplingParams:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
-    # bad_words as token ids, filled by the engine's tokenizer (resolve_bad_words).
+    # bad_words as token ids: set on the engine's per-request copy (resolve_bad_words).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -196,21 +197,22 @@ class SamplingParams:
             if value is not None and value > vocab_size:
                 raise ValueError(f"SamplingParams.{name} {value} is more than the vocabulary's {vocab_size} tokens")
 
-    def resolve_bad_words(self, tokenizer) -> None:
-        """Tokenize bad_words as vLLM does: each word as written (leading spaces stripped) and, where
-        that makes other tokens of the same count, with one leading space (a word mid-sentence)."""
-        if not self.bad_words or self.bad_words_token_ids:
-            return
+    def resolve_bad_words(self, tokenizer, vocab_size: int) -> SamplingParams:
+        """A copy whose bad_words_token_ids are this tokenizer's: each word as written (leading spaces
+        stripped) and, where that makes other tokens of the same count, with one leading space (vLLM's
+        rule). Words with a token outside the model's vocabulary can never be generated and are left out."""
         if tokenizer is None:
             raise ValueError("SamplingParams.bad_words needs a tokenizer (skip_tokenizer_init=True was set)")
         resolved = []
-        for word in self.bad_words:
+        for word in self.bad_words or ():
             bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             resolved.append(bare)
             if spaced[0] != bare[0] and len(spaced) == len(bare):
                 resolved.append(spaced)
-        self.bad_words_token_ids = resolved
+        copy = dataclasses.replace(self)
+        copy.bad_words_token_ids = [ids for ids in resolved if ids and max(ids) < vocab_size]
+        return copy
 
     @property
     def greedy(self) -> bool:

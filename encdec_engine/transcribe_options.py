@@ -61,6 +61,7 @@ def _clip_timestamps(value) -> tuple[float, ...]:
     times = tuple(float(v) for v in value)
     if any(not math.isfinite(t) or t < 0 for t in times):
         raise ValueError(f"clip_timestamps must be non-negative seconds, got {list(times)}")
-    if any(b <= a for a, b in zip(times, times[1:])):
+    # Within a clip start < end; a clip may start where the one before ended.
+    if any(b < a or (b == a and i % 2 == 0) for i, (a, b) in enumerate(zip(times, times[1:]))):
         raise ValueError(f"clip_timestamps must ascend (each clip's start < end <= the next start), got {list(times)}")
     return times

@@ -132,8 +132,8 @@ class Transcriber:
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1 (or None: every input at once), got {max_in_flight}")
         jobs = [self.load(i, x) for i, x in enumerate(inputs)]
-        parts = {j.index: self.split(j) for j in jobs}
-        queue = [p for j in jobs if j.error is None for p in parts[j.index] if not p.done]
+        parts = {j.index: [j] for j in jobs}
+        queue = [p for j in jobs if j.error is None and not j.done for p in self._fan_out(j, parts)]
         parts_left = {j.index: sum(p.index == j.index for p in queue) for j in jobs}
         in_flight: dict[str, TranscriptionJob] = {}
         bar = tqdm(total=round(sum(j.duration for j in jobs), 1), unit="s", desc="Transcribing", disable=not use_tqdm)
@@ -147,9 +147,12 @@ class Transcriber:
                     if not out.finished:
                         continue
                     job = in_flight.pop(out.request_id)
-                    before = min(job.seek, job.num_frames)
+                    before, detecting = min(job.seek, job.num_frames), self.detects_language(job)
                     if self.take(job, out):
-                        self._submit(job, in_flight)
+                        fresh = self._fan_out(job, parts) if detecting else [job]  # chunked: now split
+                        parts_left[job.index] += len(fresh) - 1
+                        for part in fresh:
+                            self._submit(part, in_flight)
                     else:
                         parts_left[job.index] -= 1
                         files_done += not parts_left[job.index]
@@ -188,12 +191,26 @@ class Transcriber:
             self._advance(job)
         return job
 
+    def detects_language(self, job: TranscriptionJob) -> bool:
+        """Whether the job's next request is language detection (a multilingual checkpoint, no language yet)."""
+        return self.tokens.is_multilingual and job.language is None
+
+    def _fan_out(self, job: TranscriptionJob, parts: dict[int, list[TranscriptionJob]]) -> list[TranscriptionJob]:
+        """The jobs to run for an input: its chunks (recorded in `parts`) once its language is known, else
+        the job itself, which detects the language first, once for the whole input."""
+        if self.detects_language(job):
+            return [job]
+        parts[job.index] = self.split(job)
+        return parts[job.index]
+
     def split(self, job: TranscriptionJob) -> list[TranscriptionJob]:
         """Chunked: one job per chunk (sharing the audio and log-mel), to run at once; else [job]."""
         if not self.options.chunked or len(job.clips) < 2:
             return [job]
+        # Each chunk starts as if speech last ended where it begins (the chunks before it run at the same time).
         return [TranscriptionJob(job.index, job.source, samples=job.samples, language=job.language, mel=job.mel,
-                                 seek=start, long_form=True, clips=[(start, end)], part=i)
+                                 seek=start, long_form=True, clips=[(start, end)], part=i,
+                                 last_speech=start / FRAMES_PER_SECOND)
                 for i, (start, end) in enumerate(job.clips)]
 
     @staticmethod
@@ -222,7 +239,8 @@ class Transcriber:
             job.seek = max(job.seek, start)
             if job.seek < end:
                 return True
-            job.clip_index += 1
+            job.clip_index += 1  # the next clip starts at its start (a window may have run past this clip)
+            job.seek = job.clips[job.clip_index][0] if job.clip_index < len(job.clips) else job.seek
         return False
 
     def _log_mel(self, job: TranscriptionJob) -> torch.Tensor:

@@ -96,8 +96,8 @@ def test_store_kv_writes_exact_slots():
     assert cache[:, 0].abs().sum() == 0  # padding block untouched
 
 
-@pytest.mark.parametrize("contiguous", [True, False])
-def test_long_contexts_read_in_place_when_contiguous(contiguous):
+@pytest.mark.parametrize("contiguous,dtype", [(True, torch.float32), (False, torch.float32), (True, torch.bfloat16)])
+def test_long_contexts_read_in_place_when_contiguous(contiguous, dtype):
     from encdec_engine.attention.backends.torch_sdpa import _GatherPlan, _SlicePlan
 
     torch.manual_seed(3)
@@ -108,10 +108,10 @@ def test_long_contexts_read_in_place_when_contiguous(contiguous):
         start += len(tables[-1])
     if not contiguous:
         tables[1][3], tables[1][4] = tables[1][4], tables[1][3]
-    cache = torch.zeros(2, start, BS, 2, D)
+    cache = torch.zeros(2, start, BS, 2, D, dtype=dtype)
     ks, vs = [], []
     for n, table in zip(k_lens, tables):
-        k, v = torch.randn(n, 2, D), torch.randn(n, 2, D)
+        k, v = torch.randn(n, 2, D).to(dtype), torch.randn(n, 2, D).to(dtype)
         pos = np.arange(n)
         store_kv(k, v, cache, torch.tensor(np.array(table)[pos // BS] * BS + pos % BS))
         ks.append(k)
@@ -120,11 +120,12 @@ def test_long_contexts_read_in_place_when_contiguous(contiguous):
     backend = TorchSDPABackend(BS)
     backend.plan(AttentionMetadata(decoder=v_))
     assert isinstance(v_.plan, _SlicePlan if contiguous else _GatherPlan)
-    q = torch.randn(3, H, D)
+    q = torch.randn(3, H, D).to(dtype)
     out = backend.forward(q, None, None, cache, v_, SCALE)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i in range(3):
-        ref = naive(q[i : i + 1], ks[i], vs[i], torch.zeros(1, k_lens[i]), 2)
-        torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+        ref = naive(q[i : i + 1].float(), ks[i].float(), vs[i].float(), torch.zeros(1, k_lens[i]), 2)
+        torch.testing.assert_close(out[i : i + 1].float(), ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -63,7 +63,8 @@ def test_bad_words_match_hf_bad_words_ids(bart_llm, hf_bart):
              if len(tok.encode(w := tok.decode([a, b]).strip(), add_special_tokens=False)) == 2][:2]
     params = SamplingParams(temperature=0, max_tokens=16, bad_words=[single, *pairs])
     outs = bart_llm.generate(prompts, params, use_tqdm=False)
-    ids = params.bad_words_token_ids
+    ids = params.resolve_bad_words(tok, bart_llm.engine.input_processor.vocab_size).bad_words_token_ids
+    assert params.bad_words_token_ids == []  # the caller's object is left as it was
     assert pairs and any(len(w) == 2 for w in ids)
     assert outs[0].outputs[0].token_ids != first
     for o in outs:
@@ -102,3 +103,16 @@ def test_bad_words_need_a_tokenizer(bart_path, make_llm):
     with pytest.raises(ValueError, match="bad_words needs a tokenizer"):
         generate(llm, [prompt], bad_words=["rain"])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_words_follow_the_tokenizer_and_vocabulary():
+    """Resolved per engine, on a copy; a word with a token outside the model's vocabulary cannot be generated."""
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return {"river": [5, 6], " river": [7, 8], "huge": [900], " huge": [901]}[text]
+
+    params = SamplingParams(bad_words=["river", " huge"])
+    resolved = params.resolve_bad_words(Tokenizer(), vocab_size=901)
+    assert resolved.bad_words_token_ids == [[5, 6], [7, 8], [900]] and params.bad_words_token_ids == []
+

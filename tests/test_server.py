@@ -353,6 +353,7 @@ BAD_COMPLETIONS = [
     ({"json": {"prompt": "x", "stop": ["y", ""]}}, 400, "stop must be non-empty"),
     ({"json": {"prompt": ["a", "b", "c"]}}, 400, "exceed this server's queue"),
     ({"json": {"prompt": "x", "logit_bias": {"rain": 1}}}, 400, "logit_bias: keys must be token ids"),
+    ({"json": {"prompt": "x", "logit_bias": {"\u00b2": 1}}}, 400, "logit_bias: keys must be token ids"),
     ({"json": {"prompt": "x", "logit_bias": {"5": 101}}}, 400, "biases must be in [-100, 100]"),
     ({"json": {"prompt": "x", "logit_bias": {"99999": 1}}}, 400, "logit_bias [99999] is outside the vocabulary"),
     ({"json": {"prompt": "x", "presence_penalty": 2.5}}, 400, "presence_penalty"),

@@ -55,7 +55,8 @@ def test_hallucination_threshold_keeps_clean_speech(tiny_en):
 @pytest.mark.parametrize("options,match", [
     (dict(clip_timestamps="0,abc"), "comma-separated seconds"),
     (dict(clip_timestamps=[5.0, 2.0]), "must ascend"),
-    (dict(clip_timestamps=[0.0, 5.0, 5.0, 9.0]), "must ascend"),
+    (dict(clip_timestamps=[0.0, 5.0, 4.0, 9.0]), "must ascend"),
+    (dict(clip_timestamps=[0.0, 5.0, 5.0, 5.0]), "must ascend"),
     (dict(clip_timestamps=[-1.0]), "non-negative"),
     (dict(hallucination_silence_threshold=2.0), "needs word_timestamps"),
     (dict(hallucination_silence_threshold=0.0, word_timestamps=True), "positive number of seconds"),
@@ -63,6 +64,18 @@ def test_hallucination_threshold_keeps_clean_speech(tiny_en):
 def test_bad_options_name_the_problem(options, match):
     with pytest.raises(ValueError, match=match):
         TranscribeOptions(**options)
+
+
+def test_adjacent_clips_and_the_next_clip_starts_at_its_start():
+    from encdec_engine.transcription import Transcriber, TranscriptionJob
+
+    assert TranscribeOptions(clip_timestamps="0,5,5,9").clip_timestamps == (0.0, 5.0, 5.0, 9.0)
+    # A window of the first clip ran on to frame 1600: the second clip still starts at its start, as in
+    # openai-whisper and faster-whisper.
+    job = TranscriptionJob(0, None, long_form=True, clips=[(0, 1530), (1560, 3000)], seek=1600)
+    assert Transcriber._advance(job) and (job.clip_index, job.seek) == (1, 1560)
+    job.seek = 3000
+    assert not Transcriber._advance(job) and job.done
 
 
 def words_segment(start: float, words: list[tuple[str, float, float, float]]) -> Segment:

@@ -214,6 +214,26 @@ def test_multilingual_detects_language_and_uses_task_tokens(tmp_path, make_llm):
         llm.transcribe(AUDIO / "coffee.wav", language="xx")
 
 
+def test_chunked_detects_the_language_once_per_file(tmp_path, make_llm, monkeypatch):
+    """The chunks of one input share one language, detected on its first window before they fan out."""
+    llm = make_llm(make_whisper(tmp_path / "multi", 80, multilingual=True, seed=3))
+    engine, prompts = llm.engine, []
+    add = engine.add_request
+
+    def recording_add(request_id, prompt, params=None, *args):
+        prompts.append(prompt["decoder_prompt"]["prompt_token_ids"])
+        return add(request_id, prompt, params, *args)
+
+    monkeypatch.setattr(engine, "add_request", recording_add)
+    out = llm.transcribe(AUDIO / "long_meeting.flac", chunked=True, clip_timestamps="0,50", temperatures=(0.0,))[0]
+    monkeypatch.undo()
+    sot = 50257
+    assert prompts.count([sot]) == 1  # one detection request
+    languages = {p[p.index(sot) + 1] for p in prompts if p != [sot]}
+    assert len(languages) == 1 and out.language is not None
+    assert len({p.index(sot) for p in prompts if p != [sot]}) >= 1 and len(prompts) >= 3  # two chunks at least
+
+
 def test_audio_prompt_file_runs(tiny_en):
     from encdec_engine.inputs.prompt_files import load_prompt_file
 

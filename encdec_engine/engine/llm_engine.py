@@ -99,7 +99,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         params.check_token_ids(self.input_processor.vocab_size)
-        params.resolve_bad_words(self.tokenizer)
+        if params.bad_words:  # tokenized per request: the caller's params may serve other engines
+            params = params.resolve_bad_words(self.tokenizer, self.input_processor.vocab_size)
         inputs = self.input_processor.process(prompt, params)
         self._check_fits(inputs.decoder_token_ids, inputs.encoder_seq, params)
         # One sequence runs the prefill; n > 1 and beam search fork it afterwards, sharing its blocks.

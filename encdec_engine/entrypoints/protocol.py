@@ -154,7 +154,7 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.isdigit():
+            if not (token.isascii() and token.isdigit()):
                 raise ValueError(f"keys must be token ids, got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {token}")

@@ -78,14 +78,23 @@ async def _audio_request(request: Request, task: str) -> Response:
             return SSEResponse(_transcript_events(st, transcriber, job, request_id, ticket), None, ticket)
 
         async def run_part(part, part_request_id: str) -> None:
+            started = False
             async for _ in st.engine.run_transcription(transcriber, part, part_request_id):
-                ticket.release()
+                if not started:  # its slot in the queue is free once it runs
+                    ticket.release()
+                    started = True
 
         async def run() -> Transcription:
+            if options.chunked and transcriber.detects_language(job):  # once for the whole upload
+                final = None
+                async for final in st.engine.generate(*transcriber.next_request(job), f"{request_id}-language"):
+                    pass
+                transcriber.take(job, final)
             parts = transcriber.split(job)  # chunked: every chunk at once; else the job itself
             if len(parts) == 1:
                 await run_part(job, request_id)
                 return transcriber.result(job)
+            ticket.add(len(parts) - 1)  # each chunk is an engine request waiting to start
             tasks = [asyncio.ensure_future(run_part(part, f"{request_id}-part{i}")) for i, part in enumerate(parts)]
             try:
                 await asyncio.gather(*tasks)

@@ -62,6 +62,11 @@ class Ticket:
     def release_all(self) -> None:
         self.release(self.held)
 
+    def add(self, n: int) -> None:
+        """Hold n more slots (more engine requests for the same client request); 429 if the queue is full."""
+        self.admission.acquire(n)
+        self.held += n
+
 
 class Admission:
     """Counts engine requests admitted but not yet started (event loop only, so exact)."""

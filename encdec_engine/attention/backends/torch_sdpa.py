@@ -159,19 +159,26 @@ class TorchSDPABackend:
 
     @staticmethod
     def _attend_slices(query, kv_cache, view: AttentionView, plan: _SlicePlan, scale: float) -> torch.Tensor:
-        """One query per sequence against its contiguous run of slots, as two batched matmuls over
-        the kv heads: SDPA would copy the strided [L, H, D] -> [H, L, D] views first (4x slower
-        for a 1,500-key cross read)."""
+        """One query per sequence against its contiguous run of slots. In fp32, two batched matmuls over
+        the kv heads: SDPA would copy the strided [L, H, D] -> [H, L, D] views first (4x slower for a
+        1,500-key cross read). Half precision keeps SDPA, which accumulates the softmax in fp32."""
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
         keys = kv_cache[0].view(-1, num_kv_heads, head_dim)
         values = kv_cache[1].view(-1, num_kv_heads, head_dim)
         group = query.shape[1] // num_kv_heads  # query heads per kv head
         out = torch.empty_like(query)
         for i, (start, key_len) in enumerate(zip(plan.starts, view.key_lens_list)):
+            if kv_cache.dtype != torch.float32:
+                k = keys[start : start + key_len].transpose(0, 1)  # [Hkv, L, D]
+                v = values[start : start + key_len].transpose(0, 1)
+                q = query[i, :, None, :].to(k.dtype)  # [H, 1, D]
+                o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=group > 1)
+                out[i] = o[:, 0].to(query.dtype)
+                continue
             k = keys[start : start + key_len].permute(1, 2, 0)  # [Hkv, D, L]
             v = values[start : start + key_len].transpose(0, 1)  # [Hkv, L, D]
-            q = query[i].view(num_kv_heads, group, head_dim).to(k.dtype)  # [Hkv, G, D]
-            probs = torch.softmax(torch.bmm(q, k).mul_(scale), dim=-1)  # [Hkv, G, L]
+            q = query[i].view(num_kv_heads, group, head_dim).to(k.dtype) * scale  # [Hkv, G, D]
+            probs = torch.softmax(torch.bmm(q, k), dim=-1)  # [Hkv, G, L]
             out[i] = torch.bmm(probs, v).view(-1, head_dim).to(query.dtype)
         return out
 
