@@ -132,3 +132,16 @@ def norm(text: str) -> str:
     """Lowercase words without punctuation, for WER."""
     return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
 
+
+def record_requests(engine, monkeypatch) -> list[tuple[str, dict, object]]:
+    """Every (request_id, prompt, params) added to `engine` from now until monkeypatch.undo()."""
+    added = []
+    add = engine.add_request
+
+    def recording_add(request_id, prompt, params=None, *args):
+        added.append((request_id, prompt, params))
+        return add(request_id, prompt, params, *args)
+
+    monkeypatch.setattr(engine, "add_request", recording_add)
+    return added
+

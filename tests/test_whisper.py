@@ -8,7 +8,7 @@ import jiwer
 import numpy as np
 import pytest
 import torch
-from helpers import norm
+from helpers import norm, record_requests
 from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
 from encdec_engine import SamplingParams
@@ -82,16 +82,10 @@ def test_timestamps_give_ordered_segments_within_the_audio(tiny_en):
 
 @pytest.mark.parametrize("beam_size", [1, 5])
 def test_long_form_transcribes_to_the_end(beam_size, tiny_en, monkeypatch):
-    engine, prompts = tiny_en.engine, []
-    add = engine.add_request
-
-    def recording_add(request_id, prompt, params=None, *args):
-        prompts.append(prompt["decoder_prompt"]["prompt_token_ids"])
-        return add(request_id, prompt, params, *args)
-
-    monkeypatch.setattr(engine, "add_request", recording_add)
+    added = record_requests(tiny_en.engine, monkeypatch)
     result = tiny_en.transcribe(AUDIO / "long_meeting.flac", beam_size=beam_size)[0]
     monkeypatch.undo()
+    prompts = [prompt["decoder_prompt"]["prompt_token_ids"] for _, prompt, _ in added]
     assert result.duration > 60
     # As openai-whisper: a window is conditioned on the tokens of the segments kept so far, nothing else.
     kept, ends = [], {0}
@@ -111,16 +105,10 @@ def test_long_form_transcribes_to_the_end(beam_size, tiny_en, monkeypatch):
 def test_long_form_windows_see_only_their_audio(tiny_en, monkeypatch):
     """As openai-whisper and faster-whisper: a window's log-mel frames past its audio are zeros, not the
     log-mel of silence (the last window's no-speech probability then equals faster-whisper's)."""
-    engine, features = tiny_en.engine, []
-    add = engine.add_request
-
-    def recording_add(request_id, prompt, params=None, *args):
-        features.append(prompt["encoder_prompt"]["multi_modal_data"]["input_features"])
-        return add(request_id, prompt, params, *args)
-
-    monkeypatch.setattr(engine, "add_request", recording_add)
+    added = record_requests(tiny_en.engine, monkeypatch)
     result = tiny_en.transcribe(AUDIO / "long_meeting.flac", temperatures=(0.0,))[0]
     monkeypatch.undo()
+    features = [prompt["encoder_prompt"]["multi_modal_data"]["input_features"] for _, prompt, _ in added]
     zero = (features[-1] == 0).all(dim=0).tolist()  # [frames] of the last window
     audio_frames = next(k for k in range(len(zero)) if all(zero[k:]))
     assert 0 < audio_frames < 3000 and not any(zero[:audio_frames])
@@ -217,16 +205,10 @@ def test_multilingual_detects_language_and_uses_task_tokens(tmp_path, make_llm):
 def test_chunked_detects_the_language_once_per_file(tmp_path, make_llm, monkeypatch):
     """The chunks of one input share one language, detected on its first window before they fan out."""
     llm = make_llm(make_whisper(tmp_path / "multi", 80, multilingual=True, seed=3))
-    engine, prompts = llm.engine, []
-    add = engine.add_request
-
-    def recording_add(request_id, prompt, params=None, *args):
-        prompts.append(prompt["decoder_prompt"]["prompt_token_ids"])
-        return add(request_id, prompt, params, *args)
-
-    monkeypatch.setattr(engine, "add_request", recording_add)
+    added = record_requests(llm.engine, monkeypatch)
     out = llm.transcribe(AUDIO / "long_meeting.flac", chunked=True, clip_timestamps="0,50", temperatures=(0.0,))[0]
     monkeypatch.undo()
+    prompts = [prompt["decoder_prompt"]["prompt_token_ids"] for _, prompt, _ in added]
     sot = 50257
     assert prompts.count([sot]) == 1  # one detection request
     languages = {p[p.index(sot) + 1] for p in prompts if p != [sot]}
