@@ -33,7 +33,8 @@ from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens, l
 from encdec_engine.outputs import RequestOutput, Segment, Transcription
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.transcribe_options import TranscribeOptions
-from encdec_engine.word_timestamps import add_word_timestamps, alignment_heads, cut_hallucinations, find_alignment
+from encdec_engine.word_timestamps import (add_word_timestamps, alignment_heads, cut_hallucinations, find_alignment,
+                                           last_word_end, speech_end)
 
 INPUT_STRIDE = 2  # mel frames per encoder position (the second conv has stride 2)
 
@@ -56,7 +57,7 @@ class DecodedWindow:
 
     @property
     def last_word_end(self) -> float | None:
-        return next((w.end for seg in reversed(self.segments) for w in reversed(seg.words or ())), None)
+        return last_word_end(self.segments)
 
 
 @dataclass
@@ -221,7 +222,6 @@ class Transcriber:
         job.segments = [seg for part in parts for seg in part.segments]
         for i, seg in enumerate(job.segments):
             seg.id = i
-        job.language = next((p.language for p in parts if p.language is not None), job.language)
         return job
 
     def _clips(self, job: TranscriptionJob) -> list[tuple[int, int]]:
@@ -390,8 +390,7 @@ class Transcriber:
         if window.temperature > 0.5:
             job.prompt_reset = len(job.tokens)
         if self.options.word_timestamps and window.segments:  # the last speech: its last word, or segment
-            end = window.last_word_end
-            job.last_speech = window.segments[-1].end if end is None else end
+            job.last_speech = speech_end(window.segments)
         return job.long_form and self._advance(job)
 
     @staticmethod

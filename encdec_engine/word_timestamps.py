@@ -260,9 +260,13 @@ def _next_with_words(segments: list[Segment]) -> Segment | None:
     return next((s for s in segments if s.words), None)
 
 
-def _end_time(segments: list[Segment]) -> float | None:
+def last_word_end(segments: list[Segment]) -> float | None:
+    return next((w.end for s in reversed(segments) for w in reversed(s.words or ())), None)
+
+
+def speech_end(segments: list[Segment]) -> float | None:
     """The last word's end, else the last segment's end (openai-whisper's get_end)."""
-    end = next((w.end for s in reversed(segments) for w in reversed(s.words or ())), None)
+    end = last_word_end(segments)
     return end if end is not None or not segments else segments[-1].end
 
 
@@ -287,7 +291,7 @@ def cut_hallucinations(segments: list[Segment], threshold: float, seek: int, win
     """
     time_offset, window_end = seek / FRAMES_PER_SECOND, (seek + N_FRAMES) / FRAMES_PER_SECOND
     cut = HallucinationCut(None, len(segments))
-    end = _end_time(segments)
+    end = speech_end(segments)
     if not single_ending and end is not None and end > time_offset:
         cut.seek = round(end * FRAMES_PER_SECOND) if window_end - end > threshold else seek + window_frames
     first = _next_with_words(segments)
