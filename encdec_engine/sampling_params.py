@@ -66,6 +66,9 @@ class SamplingParams:
     forced_eos_token_id: int | None = None  # forced as the last token at max_tokens
     suppress_tokens: list[int] | None = None  # banned at every step
     begin_suppress_tokens: list[int] | None = None  # banned at the first step
+    # Whisper: where suppress_tokens / begin_suppress_tokens is None, ban the checkpoint's (its generation
+    # config's), as HF `generate` does. False: only the lists given here.
+    use_checkpoint_suppress_tokens: bool = True
     allowed_token_ids: list[int] | range | None = None  # only these may be generated (e.g. language detection)
     # Whisper: report, as RequestOutput.no_speech_prob, this token's probability right after the decoder
     # start token (<|startoftranscript|>) of the prompt, from the raw logits (openai-whisper's no_speech_prob).
@@ -109,6 +112,8 @@ class SamplingParams:
             ids = getattr(self, name)
             if ids is not None and not _non_negative_ints(ids):
                 fail(name, "must be a list of non-negative token ids")
+        if not isinstance(self.use_checkpoint_suppress_tokens, bool):
+            fail("use_checkpoint_suppress_tokens", "must be True or False")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be non-empty strings")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
@@ -196,6 +201,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value > vocab_size:
                 raise ValueError(f"SamplingParams.{name} {value} is more than the vocabulary's {vocab_size} tokens")
+
+    def with_checkpoint_suppression(self, generation_config) -> SamplingParams:
+        """These params, or a copy that bans the generation config's suppress_tokens and
+        begin_suppress_tokens where this request gives none (HF `generate`'s defaults for Whisper)."""
+        if not self.use_checkpoint_suppress_tokens:
+            return self
+        defaults = {name: list(ids) for name in ("suppress_tokens", "begin_suppress_tokens")
+                    if getattr(self, name) is None and (ids := getattr(generation_config, name, None))}
+        return dataclasses.replace(self, **defaults) if defaults else self
 
     def resolve_bad_words(self, tokenizer, vocab_size: int) -> SamplingParams:
         """A copy whose bad_words_token_ids are this tokenizer's: each word as written (leading spaces

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import json
 import pstats
 import sys
 import time
@@ -36,21 +37,17 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-BART_BASE = dict(vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
-                 decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072,
-                 max_position_embeddings=1024, forced_eos_token_id=None, dropout=0.0)
-BART_SIZES = {
-    "base": BART_BASE,
-    "large": dict(BART_BASE, d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
-                  decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096),
-}
-WHISPER_SIZES = {
-    "tiny": dict(vocab_size=51864, num_mel_bins=80, d_model=384, encoder_layers=4, decoder_layers=4,
-                 encoder_attention_heads=6, decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536),
-    "large-v3": dict(vocab_size=51866, num_mel_bins=128, d_model=1280, encoder_layers=32, decoder_layers=32,
-                     encoder_attention_heads=20, decoder_attention_heads=20, encoder_ffn_dim=5120,
-                     decoder_ffn_dim=5120),
-}
+MODEL_CONFIGS = ROOT / "models" / "configs"
+
+
+def sizes(arch: str, names: tuple[str, ...]) -> dict[str, dict]:
+    """The HF config kwargs of models/configs/<arch>.json's entries `names`."""
+    entries = json.loads((MODEL_CONFIGS / f"{arch}.json").read_text())
+    return {name: entries[name]["config"] for name in names}
+
+
+BART_SIZES = sizes("bart", ("base", "large"))
+WHISPER_SIZES = sizes("whisper", ("tiny", "large-v3"))
 WHISPER_PROMPT = [50258, 50259, 50360, 50364]  # large-v3 ids of sot, en, transcribe, notimestamps (any 4 ids do)
 
 
@@ -67,9 +64,8 @@ def checkpoint(path: Path, workload: str = "bart", size: str = "base") -> Path:
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
     sot, no_timestamps = WHISPER_PROMPT[0], WHISPER_PROMPT[-1]
-    config = WhisperConfig(**WHISPER_SIZES[size], max_source_positions=1500, max_target_positions=448,
-                           decoder_start_token_id=sot, eos_token_id=sot - 1, pad_token_id=sot - 1,
-                           begin_suppress_tokens=None, suppress_tokens=None)
+    config = WhisperConfig(**dict(WHISPER_SIZES[size], decoder_start_token_id=sot, eos_token_id=sot - 1,
+                                  pad_token_id=sot - 1, begin_suppress_tokens=None, suppress_tokens=None))
     WhisperForConditionalGeneration(config).save_pretrained(path)
     GenerationConfig(decoder_start_token_id=sot, eos_token_id=sot - 1, pad_token_id=sot - 1,
                      no_timestamps_token_id=no_timestamps).save_pretrained(path)

@@ -15,16 +15,9 @@ from helpers import make_bart  # noqa: E402
 
 torch.set_num_threads(2)
 
-# Three BART shapes so nothing is special-cased: odd head counts, tiny vocab,
-# different layer counts, scaled embeddings, untied output embeddings.
-BART_CONFIGS = {
-    "small": dict(seed=0),
-    "odd_heads": dict(seed=1, d_model=60, encoder_attention_heads=5, decoder_attention_heads=3,
-                      encoder_layers=3, decoder_layers=1, encoder_ffn_dim=96, decoder_ffn_dim=72,
-                      scale_embedding=True, activation_function="relu"),
-    "untied": dict(seed=2, d_model=48, encoder_attention_heads=2, decoder_attention_heads=6, encoder_layers=1,
-                   decoder_layers=3, tie_word_embeddings=False, max_position_embeddings=200),
-}
+# Three BART shapes (models/configs/bart.json) so nothing is special-cased: odd head counts, tiny
+# vocab, different layer counts, scaled embeddings, untied output embeddings.
+BART_CONFIGS = ("small", "odd_heads", "untied")
 
 _ENGINES: list = []
 
@@ -32,7 +25,7 @@ _ENGINES: list = []
 @pytest.fixture(scope="session")
 def bart_paths(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bart")
-    return {name: make_bart(root / name, **cfg) for name, cfg in BART_CONFIGS.items()}
+    return {name: make_bart(root / name, name) for name in BART_CONFIGS}
 
 
 @pytest.fixture(scope="session")

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_CONFIGS = ROOT / "models" / "configs"
 
 WORDS = (
     "the a of and to in is was for on that with as by at from his her it an were are which this be "
@@ -45,19 +50,23 @@ def make_bart_tokenizer(dst: Path, vocab_size: int = 600):
     return tok
 
 
-def make_bart(dst: Path, seed: int = 0, **config) -> Path:
-    """Save a random-init BartForConditionalGeneration (+ tokenizer) to `dst`."""
+def model_entry(arch: str, name: str) -> dict:
+    """Entry `name` of models/configs/<arch>.json: {"seed": ..., "config": {HF config kwargs}, ...}."""
+    entries = json.loads((MODEL_CONFIGS / f"{arch}.json").read_text())
+    if name not in entries or name.startswith("_"):
+        raise KeyError(f"models/configs/{arch}.json has no entry {name!r}; it has {sorted(entries)}")
+    return entries[name]
+
+
+def make_bart(dst: Path, name: str = "small", **overrides) -> Path:
+    """Save a random-init BartForConditionalGeneration (+ tokenizer) of models/configs/bart.json's `name` to `dst`."""
     from transformers import BartConfig, BartForConditionalGeneration
 
+    entry = model_entry("bart", name)
     tok = make_bart_tokenizer(dst)
-    defaults = dict(
-        vocab_size=len(tok), d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=256,
-        init_std=1.0, forced_eos_token_id=None, dropout=0.0,
-    )
-    defaults.update(config)
-    torch.manual_seed(seed)
-    model = BartForConditionalGeneration(BartConfig(**defaults)).eval()
+    config = {"vocab_size": len(tok), **entry["config"], **overrides}
+    torch.manual_seed(entry["seed"])
+    model = BartForConditionalGeneration(BartConfig(**config)).eval()
     # Wide init, random positions, a random logits bias and layer norms make a random
     # model's outputs vary with its input instead of repeating one token.
     with torch.no_grad():
@@ -67,6 +76,62 @@ def make_bart(dst: Path, seed: int = 0, **config) -> Path:
             if "layer_norm" in name or "layernorm" in name:
                 p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
     model.save_pretrained(dst)
+    return dst
+
+
+def make_causal_lm(dst: Path, tokenizer, arch: str, name: str) -> Path:
+    """Save a random-init GPT-2 or Llama (models/configs/<arch>.json's `name`) and `tokenizer` to `dst`;
+    its greedy outputs vary with the input."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    config_cls, model_cls = {"gpt2": (GPT2Config, GPT2LMHeadModel), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    entry = model_entry(arch, name)
+    torch.manual_seed(entry["seed"])
+    config = config_cls(**{"vocab_size": len(tokenizer), **entry["config"]})
+    model = model_cls(config).eval()
+    # Wide init plus random norms and positions: a narrow random model repeats one token.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "ln_" in pname or "norm" in pname:
+                p.normal_(1.0 if pname.endswith("weight") else 0.0, 0.3)
+            elif "wpe" in pname:
+                p.normal_(0.0, 1.0)
+        model.lm_head.weight[config.eos_token_id] *= entry.get("eos_boost", 1.0)
+    model.save_pretrained(dst)
+    tokenizer.save_pretrained(dst)
+    return dst
+
+
+WHISPER_TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special", "added", "normalizer")
+
+
+def make_whisper(dst: Path, name: str = "tiny-80", multilingual: bool = False, seed: int | None = None,
+                 **overrides) -> Path:
+    """Save a random-init Whisper (models/configs/whisper.json's `name`) with tiny.en's tokenizer and
+    generation config (max_length 40: random weights never stop) to `dst`."""
+    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+
+    from encdec_engine.models.ct2_import import default_model_path
+
+    src = default_model_path()
+    entry = model_entry("whisper", name)
+    torch.manual_seed(entry["seed"] if seed is None else seed)
+    model = WhisperForConditionalGeneration(WhisperConfig(**{**entry["config"], **overrides})).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "encoder.embed_positions" not in pname:  # keep HF's sinusoids: random ones drown the audio
+                p.normal_(0, 0.5)
+    model.save_pretrained(dst)
+    for f in src.iterdir():
+        if f.name.startswith(WHISPER_TOKENIZER_FILES):
+            shutil.copy(f, dst / f.name)
+    gc = GenerationConfig.from_pretrained(src)
+    gc.max_length = 40  # random weights never stop: keep the tests short (HF: 40 new tokens after the prompt)
+    if multilingual:
+        gc.is_multilingual = True
+        gc.lang_to_id = {"<|en|>": 50259, "<|de|>": 50261, "<|fr|>": 50265}
+        gc.task_to_id = {"transcribe": 50359, "translate": 50358}
+    gc.save_pretrained(dst)
     return dst
 
 

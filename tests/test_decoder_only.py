@@ -8,60 +8,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_preemption_keeps_outputs, corpus, make_bart_tokenizer
+from helpers import assert_preemption_keeps_outputs, corpus, make_bart_tokenizer, make_causal_lm, model_entry
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from encdec_engine import SamplingParams
 
-_SPECIAL = dict(bos_token_id=0, pad_token_id=1, eos_token_id=2)  # the BART tokenizer's layout
+_PAD = 1  # the BART tokenizer's <pad>
 
-# Shapes vary so nothing is special-cased: odd head counts, untied heads, layer-scaled attention,
-# GQA (4 heads on 2 KV heads) and MQA (3 on 1) with head_dim != hidden / heads, biases, RoPE bases.
-# `eos_boost` scales the EOS row of an untied output head so some requests stop on EOS.
-CONFIGS: dict[str, tuple[type, type, dict]] = {
-    "gpt2": (GPT2Config, GPT2LMHeadModel, dict(seed=0)),
-    "gpt2_odd": (GPT2Config, GPT2LMHeadModel, dict(seed=1, n_embd=60, n_head=5, n_layer=3, n_inner=96,
-                                                   tie_word_embeddings=False, scale_attn_by_inverse_layer_idx=True,
-                                                   eos_boost=2.0)),
-    "llama_gqa": (LlamaConfig, LlamaForCausalLM, dict(seed=2, num_key_value_heads=2, rope_theta=10000.0,
-                                                      eos_boost=2.0)),
-    "llama_mqa": (LlamaConfig, LlamaForCausalLM, dict(
-        seed=3, hidden_size=60, num_attention_heads=3, num_key_value_heads=1, head_dim=16, num_hidden_layers=3,
-        intermediate_size=96, tie_word_embeddings=True, attention_bias=True, rope_theta=500.0,
-        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+# Shapes vary so nothing is special-cased (models/configs/gpt2.json, llama.json): odd head counts, untied
+# heads, layer-scaled attention, GQA (4 heads on 2 KV heads) and MQA (3 on 1) with head_dim != hidden /
+# heads, biases, RoPE bases; some untied output heads boost EOS so that some requests stop on it.
+CONFIGS: dict[str, tuple[str, str]] = {
+    "gpt2": ("gpt2", "tiny"),
+    "gpt2_odd": ("gpt2", "odd"),
+    "llama_gqa": ("llama", "gqa"),
+    "llama_mqa": ("llama", "mqa"),
 }
-_DEFAULTS = {
-    GPT2Config: dict(n_embd=64, n_head=4, n_layer=2, n_positions=256, initializer_range=1.0),
-    LlamaConfig: dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,
-                      max_position_embeddings=256, initializer_range=1.0, tie_word_embeddings=False),
-}
-
-
-def make_causal_lm(dst: Path, tokenizer, config_cls, model_cls, seed: int, eos_boost: float = 1.0,
-                   **overrides) -> Path:
-    """Save a random-init decoder-only checkpoint (+ tokenizer) whose greedy outputs vary with the input."""
-    config = dict(_DEFAULTS[config_cls], vocab_size=len(tokenizer), **_SPECIAL)
-    config.update(overrides)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**config)).eval()
-    # Wide init plus random norms and positions: a narrow random model repeats one token.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln_" in name or "norm" in name:
-                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
-            elif "wpe" in name:
-                p.normal_(0.0, 1.0)
-        model.lm_head.weight[_SPECIAL["eos_token_id"]] *= eos_boost
-    model.save_pretrained(dst)
-    tokenizer.save_pretrained(dst)
-    return dst
+_HF_CLASSES = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("decoder_only")
     tok = make_bart_tokenizer(root / "tokenizer")
-    return {name: make_causal_lm(root / name, tok, c, m, **kw) for name, (c, m, kw) in CONFIGS.items()}
+    return {name: make_causal_lm(root / name, tok, arch, entry) for name, (arch, entry) in CONFIGS.items()}
 
 
 def mixed_prompts(vocab_size: int, n: int, seed: int) -> list:
@@ -85,7 +55,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
                              dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                             pad_token_id=_SPECIAL["pad_token_id"])
+                             pad_token_id=_PAD)
     return out[0, len(prompt_ids) :].tolist()
 
 
@@ -99,12 +69,12 @@ def test_mixed_batch_matches_hf(config, paths, make_llm):
     assert min(lens) <= 2 and max(lens) >= 60  # really mixed
     assert all(o.encoder_prompt_token_ids is None for o in outs)
 
-    model = CONFIGS[config][1].from_pretrained(paths[config]).eval()
+    model = _HF_CLASSES[CONFIGS[config][0]].from_pretrained(paths[config]).eval()
     ref = [hf_greedy(model, o.prompt_token_ids, m) for o, m in zip(outs, max_tokens)]
     mismatches = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.outputs[0].token_ids != r]
     assert not mismatches, f"{len(mismatches)}/{len(outs)} differ from HF: {mismatches}"
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > len(outs) // 2  # not one repeated token
-    if "eos_boost" in CONFIGS[config][2]:
+    if "eos_boost" in model_entry(*CONFIGS[config]):
         assert any(o.outputs[0].finish_reason == "stop" for o in outs)  # EOS ends some requests early
 
 
@@ -195,7 +165,7 @@ def test_loading_is_strict(config, paths):
     from encdec_engine.models.registry import resolve_model_class
     from encdec_engine.models.weights import iter_checkpoint
 
-    model_cls = CONFIGS[config][1]
+    model_cls = _HF_CLASSES[CONFIGS[config][0]]
     hf_config = model_cls.config_class.from_pretrained(paths[config])
     ours = resolve_model_class(hf_config)
     weights = dict(iter_checkpoint(paths[config]))

@@ -396,15 +396,15 @@ def test_padding_rows_store_nothing(bart_path):
 
 def test_padded_graph_decode_of_a_decoder_only_model(tmp_path):
     """No encoder: the static batch has no cross view (Llama with GQA, RoPE)."""
-    from test_decoder_only import CONFIGS, hf_greedy, make_causal_lm
+    from test_decoder_only import hf_greedy
     from test_decoder_only import mixed_prompts as causal_prompts
+    from transformers import LlamaForCausalLM
 
     from encdec_engine import SamplingParams
-    from helpers import make_bart_tokenizer
+    from helpers import make_bart_tokenizer, make_causal_lm
 
-    config_cls, model_cls, kwargs = CONFIGS["llama_gqa"]
     tokenizer = make_bart_tokenizer(tmp_path / "tokenizer")
-    path = make_causal_lm(tmp_path / "llama", tokenizer, config_cls, model_cls, **kwargs)
+    path = make_causal_lm(tmp_path / "llama", tokenizer, "llama", "gqa")
     llm = interpreted_xformers_engine(path)
     engine = llm.engine
     engine.runner.use_decode_graphs([1, 2], engine.max_decoder_len, None, capture=False)
@@ -413,7 +413,7 @@ def test_padded_graph_decode_of_a_decoder_only_model(tmp_path):
     max_tokens = [3, 8, 5, 2, 6]
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens],
                         use_tqdm=False)
-    hf = model_cls.from_pretrained(path).eval()
+    hf = LlamaForCausalLM.from_pretrained(path).eval()
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, o.prompt_token_ids, m)
                                                       for o, m in zip(outs, max_tokens)]
     assert 0 < engine.runner.graph_steps < engine.stats["decode_steps"]

@@ -29,7 +29,8 @@ class Detokenizer:
             seq.tokens = []
         if skip_special_tokens and token_id in self.special_ids:
             return ""
-        seq.tokens.extend(self.tokenizer.convert_ids_to_tokens([token_id]))
+        # An id the tokenizer has no string for (a vocabulary padded past the tokenizer) adds no text, as in vLLM.
+        seq.tokens.extend(t or "" for t in self.tokenizer.convert_ids_to_tokens([token_id]))
         prefix = self._to_string(seq.tokens[seq.prefix_offset : seq.read_offset])
         full = self._to_string(seq.tokens[seq.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):

@@ -98,6 +98,8 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        if self.input_processor.num_mel_bins is not None:  # Whisper: HF generate's suppression by default
+            params = params.with_checkpoint_suppression(self.generation_config)
         params.check_token_ids(self.input_processor.vocab_size)
         if params.bad_words:  # tokenized per request: the caller's params may serve other engines
             params = params.resolve_bad_words(self.tokenizer, self.input_processor.vocab_size)

@@ -13,7 +13,10 @@ from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
 from encdec_engine.layers.linear import pack_linears
 from encdec_engine.models.registry import resolve_model_class
-from encdec_engine.models.weights import iter_checkpoint
+from encdec_engine.models.generation_config import load_generation_config
+from encdec_engine.models.tokenizer_files import load_tokenizer, tokenizer_if_any
+from encdec_engine.models.weights import iter_checkpoint, weight_files
+from encdec_engine.models.whisper_vocab import add_timestamp_tokens, complete_whisper_generation_config
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +70,19 @@ def make_backend(config: EngineConfig, device: torch.device):
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig
 
     path = resolve_model_path(config.model)
     hf_config = AutoConfig.from_pretrained(path)
-    tokenizer = None
-    if not config.skip_tokenizer_init:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.tokenizer) if config.tokenizer else path)
-    try:
-        generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:
-        generation_config = GenerationConfig.from_model_config(hf_config)
+    tokenizer_path = resolve_model_path(config.tokenizer) if config.tokenizer else path
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(tokenizer_path)
+    generation_config = load_generation_config(path, hf_config)
+    if getattr(hf_config, "model_type", None) == "whisper":
+        # Without a tokenizer of its own the engine still reads the folder's vocabulary here.
+        complete_whisper_generation_config(generation_config, hf_config, tokenizer or tokenizer_if_any(tokenizer_path),
+                                           str(path))
+        add_timestamp_tokens(tokenizer, generation_config.no_timestamps_token_id + 1, hf_config.vocab_size,
+                             str(tokenizer_path))
 
     device, dtype = config.torch_device, config.torch_dtype
     backend = make_backend(config, device)
@@ -88,7 +93,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = model.to_empty(device="cpu")
     for buf in model.buffers():
         buf.zero_()
-    model.load_weights(iter_checkpoint(path))
+    files = weight_files(path)
+    try:
+        model.load_weights(iter_checkpoint(path, files))
+    except ValueError as e:  # a tensor of the wrong shape, one missing or left over
+        raise ValueError(f"{path}: the weights ({', '.join(f.name for f in files)}) do not fit config.json: {e}") from e
     model = model.to(device=device, dtype=dtype).eval()
     pack_linears(model)  # CPU fp32: oneDNN's packed layout, about 2x MKL's speed (layers/linear.py)
 

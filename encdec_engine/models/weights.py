@@ -2,31 +2,38 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from encdec_engine.models.generation_config import read_json
 
-def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every weight of a checkpoint folder."""
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The checkpoint's weight files: safetensors when there are any, else PyTorch `.bin`; one file,
+    or the shards an index (`model.safetensors.index.json`, `pytorch_model.bin.index.json`) names."""
     folder = Path(folder)
-    files = _weight_files(folder, "model.safetensors", ".safetensors")
-    if files:
-        from safetensors import safe_open
+    files = _weight_files(folder, "model.safetensors", ".safetensors") or _weight_files(folder, "pytorch_model.bin",
+                                                                                        ".bin")
+    if not files:
+        raise FileNotFoundError(f"{folder}: no weights (model.safetensors, pytorch_model.bin, or shards with "
+                                "their .index.json)")
+    return files
 
-        for file in files:
+
+def iter_checkpoint(folder: str | Path, files: list[Path] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every weight of a checkpoint folder (or of its `files`), in the file's dtype."""
+    for file in files or weight_files(folder):
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
-        return
-    files = _weight_files(folder, "pytorch_model.bin", ".bin")
-    if not files:
-        raise FileNotFoundError(f"{folder}: no model.safetensors or pytorch_model.bin weights found")
-    for file in files:
-        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+        else:
+            yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
 def _weight_files(folder: Path, single: str, suffix: str) -> list[Path]:
@@ -34,8 +41,14 @@ def _weight_files(folder: Path, single: str, suffix: str) -> list[Path]:
         return [folder / single]
     index = folder / f"{single}.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / s for s in shards]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map (tensor name -> shard file)")
+        shards = [folder / s for s in sorted(set(weight_map.values()))]
+        missing = [s.name for s in shards if not s.is_file()]
+        if missing:
+            raise ValueError(f"{index}: weight_map names shard files that are not there: {', '.join(missing)}")
+        return shards
     return sorted(p for p in folder.glob(f"*{suffix}") if p.is_file())
 
 
@@ -88,9 +101,14 @@ class WeightLoader:
             return
         if target.shape != tensor.shape:
             raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+        key = self.aliases.get(name, name)
         with torch.no_grad():
+            # Tied weights saved twice must agree; different ones mean the config wrongly ties them.
+            if key in self.loaded and not torch.equal(target, tensor.to(target.dtype)):
+                raise ValueError(f"weight {name} differs from {key}, which the config ties it to "
+                                 "(tie_word_embeddings); the checkpoint's output head is untied")
             target.copy_(tensor)
-        self.loaded.add(self.aliases.get(name, name))
+        self.loaded.add(key)
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard: int, num_shards: int) -> None:
         """Load one of `num_shards` equal row blocks of a fused weight (e.g. q of qkv)."""

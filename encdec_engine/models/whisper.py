@@ -3,9 +3,9 @@
 Encoder: two 1-D convolutions (the second with stride 2, so 3000 mel frames
 become 1500 positions) + fixed positional embeddings, then pre-norm layers.
 Decoder: token + learned positional embeddings, pre-norm layers with
-cross-attention, output projection tied to the token embeddings. As in HF,
-queries are scaled before attention (k has no bias), which keeps rounding
-identical to `generate`.
+cross-attention, output projection tied to the token embeddings (untied when
+the config says so). As in HF, queries are scaled before attention (k has no
+bias), which keeps rounding identical to `generate`.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ class WhisperForConditionalGeneration(nn.Module):
         self.vocab_projection = VocabProjection()
         self.encoder = WhisperEncoder(config, backend)
         self.decoder = WhisperDecoder(config, backend)
+        # HF ties proj_out to the token embedding unless the config says otherwise.
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
+        self.proj_out = None if self.tie_word_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     @property
     def num_mel_bins(self) -> int:
@@ -99,12 +102,15 @@ class WhisperForConditionalGeneration(nn.Module):
     def forward(self, input_ids, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:
         return self.decoder(input_ids, positions, kv_caches, metadata, encoder_hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.vocab_projection(hidden, self.decoder.embed_tokens.weight)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
+        if self.proj_out is None:
+            return self.vocab_projection(hidden, self.decoder.embed_tokens.weight)
+        return self.proj_out(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
-        loader.alias("proj_out.weight", "decoder.embed_tokens.weight")
+        if self.tie_word_embeddings:
+            loader.alias("proj_out.weight", "decoder.embed_tokens.weight")
         for name, tensor in weights:
             loader.load_attention(name.removeprefix("model."), tensor)
         loader.zero_missing_bias_shards()

@@ -1,0 +1,375 @@
+"""Every checkpoint layout transformers loads, served with HF's greedy tokens.
+
+Random-init checkpoints of each architecture (models/configs/) are written with
+`save_pretrained`; each layout is then made by editing the files as real checkpoints
+differ: no or a minimal generation_config.json, one marked `_from_model_config`
+(transformers then drops Whisper's fields), PyTorch `.bin` weights, shards with an
+index, fp16/bf16 weights, untied output heads, slow tokenizer files only, a Whisper
+tokenizer without timestamp tokens. Every layout must load and give HF `generate`'s
+greedy tokens; Whisper is compared with HF given the checkpoint's complete
+generation config, on the same log-mel features.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, hf_greedy, make_bart, make_bart_tokenizer, make_causal_lm, make_whisper
+from safetensors.torch import load_file
+from transformers import (AutoTokenizer, BartForConditionalGeneration, GenerationConfig, GPT2LMHeadModel,
+                          LlamaForCausalLM, WhisperForConditionalGeneration)
+
+from encdec_engine import SamplingParams
+from encdec_engine.inputs.audio import load_audio
+from encdec_engine.inputs.audio_features import log_mel_spectrogram
+from encdec_engine.layers.whisper_timestamps import timestamp_rules_from_generation_config
+
+AUDIO = ROOT / "prompts" / "audio"
+CLIPS = ["fox.wav", "coffee.wav"]
+TEXT_PROMPTS = ["The rain in spain falls mainly on the plain.", "Council report said the bridge", "a",
+                {"prompt_token_ids": [5, 77, 300, 12, 9, 41]}]
+MAX_TOKENS = 12
+HF_CLASSES = {"bart": BartForConditionalGeneration, "gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM,
+              "whisper": WhisperForConditionalGeneration}
+
+
+# -- layouts: each edits a copy of the saved checkpoint ---------------------------------------
+
+def _edit_json(path: Path, **fields) -> None:
+    path.write_text(json.dumps(json.loads(path.read_text()) | fields, indent=2))
+
+
+def no_generation_config(folder: Path) -> None:
+    (folder / "generation_config.json").unlink()
+
+
+def minimal_generation_config(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    fields = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    (folder / "generation_config.json").write_text(json.dumps({k: config[k] for k in fields if k in config}))
+
+
+def from_model_config(folder: Path) -> None:
+    _edit_json(folder / "generation_config.json", _from_model_config=True)
+
+
+def _state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    file.unlink()
+    return tensors
+
+
+def pytorch_bin(folder: Path) -> None:
+    torch.save(_state_dict(folder), folder / "pytorch_model.bin")
+
+
+def sharded_bin(folder: Path) -> None:
+    """transformers 4's sharded .bin layout: pytorch_model-0000k-of-0000n.bin + pytorch_model.bin.index.json."""
+    tensors, n = _state_dict(folder), 3
+    names = sorted(tensors)
+    weight_map = {}
+    for k in range(n):
+        shard = f"pytorch_model-{k + 1:05d}-of-{n:05d}.bin"
+        torch.save({name: tensors[name] for name in names[k::n]}, folder / shard)
+        weight_map |= {name: shard for name in names[k::n]}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _resave(folder: Path, **kwargs) -> None:
+    """Save the checkpoint again with transformers (sharded or in another dtype)."""
+    config = json.loads((folder / "config.json").read_text())
+    model = HF_CLASSES[config["model_type"]].from_pretrained(folder, dtype=torch.float32)
+    dtype = kwargs.pop("dtype", None)
+    for file in folder.glob("*.safetensors"):
+        file.unlink()
+    (model.to(dtype) if dtype else model).save_pretrained(folder, **kwargs)
+
+
+def sharded_safetensors(folder: Path) -> None:
+    _resave(folder, max_shard_size="1MB")
+
+
+def fp16(folder: Path) -> None:
+    _resave(folder, dtype=torch.float16)
+
+
+def bf16(folder: Path) -> None:
+    _resave(folder, dtype=torch.bfloat16)
+
+
+def slow_tokenizer(folder: Path) -> None:
+    """tokenizer.json removed, leaving vocab.json + merges.txt (written from it where missing)."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    if not (folder / "vocab.json").is_file():
+        (folder / "vocab.json").write_text(json.dumps(data["model"]["vocab"]))
+        merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+        (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (folder / "tokenizer.json").unlink()
+
+
+def no_timestamp_tokens(folder: Path) -> None:
+    """A Whisper tokenizer.json without <|0.00|> ... (CTranslate2 exports, older hub checkpoints)."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    data["added_tokens"] = [t for t in data["added_tokens"] if not t["content"][2:3].isdigit()]
+    path.write_text(json.dumps(data))
+
+
+LAYOUTS: dict[str, Callable[[Path], None]] = {
+    "saved": lambda folder: None,
+    "no_generation_config": no_generation_config,
+    "minimal_generation_config": minimal_generation_config,
+    "from_model_config": from_model_config,
+    "pytorch_bin": pytorch_bin,
+    "sharded_bin": sharded_bin,
+    "sharded_safetensors": sharded_safetensors,
+    "fp16": fp16,
+    "bf16": bf16,
+    "slow_tokenizer": slow_tokenizer,
+}
+WHISPER_LAYOUTS = {**LAYOUTS, "no_timestamp_tokens": no_timestamp_tokens,
+                   "slow_tokenizer_no_gc": lambda f: (slow_tokenizer(f), no_generation_config(f))}
+# (checkpoint, architecture): the base checkpoints, tied and untied heads.
+BASES = {"bart": "bart", "bart_untied": "bart", "gpt2": "gpt2", "gpt2_untied": "gpt2", "llama_untied": "llama",
+         "llama_tied": "llama", "whisper": "whisper", "whisper_untied": "whisper"}
+CASES = ([(base, layout) for base in ("bart", "gpt2", "llama_untied") for layout in LAYOUTS]
+         + [("whisper", layout) for layout in WHISPER_LAYOUTS]
+         + [(base, "saved") for base in ("bart_untied", "gpt2_untied", "llama_tied", "whisper_untied")])
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("layouts")
+    tok = make_bart_tokenizer(root / "tokenizer")
+    return {
+        "bart": make_bart(root / "bart", "small"),
+        "bart_untied": make_bart(root / "bart_untied", "untied"),
+        "gpt2": make_causal_lm(root / "gpt2", tok, "gpt2", "tiny"),
+        "gpt2_untied": make_causal_lm(root / "gpt2_untied", tok, "gpt2", "odd"),
+        "llama_untied": make_causal_lm(root / "llama_untied", tok, "llama", "gqa"),
+        "llama_tied": make_causal_lm(root / "llama_tied", tok, "llama", "mqa"),
+        "whisper": make_whisper(root / "whisper", "tiny-80"),
+        "whisper_untied": make_whisper(root / "whisper_untied", "tiny-80", tie_word_embeddings=False),
+    }
+
+
+@pytest.fixture(scope="module")
+def layout_folder(bases, tmp_path_factory) -> Callable[[str, str], Path]:
+    root = tmp_path_factory.mktemp("variants")
+
+    def make(base: str, layout: str) -> Path:
+        folder = root / f"{base}-{layout}"
+        if not folder.exists():
+            shutil.copytree(bases[base], folder)
+            WHISPER_LAYOUTS[layout](folder)
+        return folder
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def features() -> torch.Tensor:
+    return log_mel_spectrogram([load_audio(AUDIO / name) for name in CLIPS])
+
+
+def hf_model(folder: Path, arch: str):
+    return HF_CLASSES[arch].from_pretrained(folder, dtype=torch.float32).eval()  # fp16/bf16 files too
+
+
+def decoder_only_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                             dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def check_text_parity(llm, folder: Path, arch: str, reference_tokenizer) -> int:
+    outs = llm.generate(TEXT_PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    texts = [p for p in TEXT_PROMPTS if isinstance(p, str)]
+    # Whatever files the tokenizer came from, it splits text as the fast tokenizer does.
+    ours = [o.encoder_prompt_token_ids if arch == "bart" else o.prompt_token_ids for o in outs[: len(texts)]]
+    assert ours == [reference_tokenizer(t)["input_ids"] for t in texts]
+    hf = hf_model(folder, arch)
+    for out in outs:
+        if arch == "bart":
+            ref = hf_greedy(hf, out.encoder_prompt_token_ids, out.prompt_token_ids, MAX_TOKENS)
+        else:
+            ref = decoder_only_greedy(hf, out.prompt_token_ids, MAX_TOKENS)
+        assert out.outputs[0].token_ids == ref
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1  # not one repeated answer
+    return len(outs)
+
+
+def whisper_prompts(features: torch.Tensor) -> list[dict]:
+    return [{"prompt": "", "multi_modal_data": {"input_features": f}} for f in features]
+
+
+def check_whisper_parity(llm, folder: Path, full_gc, features: torch.Tensor) -> int:
+    """Greedy without timestamps (the checkpoint's suppression applied by default, as in HF), then
+    with HF's timestamp rules, against HF given the complete generation config."""
+    hf = hf_model(folder, "whisper")
+    outs = llm.generate(whisper_prompts(features), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)
+    for out, f in zip(outs, features):
+        with torch.no_grad():
+            ref = hf.generate(input_features=f[None], generation_config=full_gc, max_new_tokens=MAX_TOKENS,
+                              return_dict_in_generate=True).sequences[0].tolist()
+        assert out.prompt_token_ids + out.outputs[0].token_ids == ref
+    gc = llm.engine.generation_config
+    timestamped = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                 logits_processors=[timestamp_rules_from_generation_config(gc)])
+    sot = [llm.engine.hf_config.decoder_start_token_id]  # English-only, timestamp mode: no <|notimestamps|>
+    outs = llm.generate([{"encoder_prompt": p, "decoder_prompt": {"prompt_token_ids": sot}}
+                         for p in whisper_prompts(features)], timestamped, use_tqdm=False)
+    for out, f in zip(outs, features):
+        with torch.no_grad():
+            ref = hf.generate(input_features=f[None], generation_config=full_gc, max_new_tokens=MAX_TOKENS,
+                              return_timestamps=True)[0].tolist()  # the generated tokens alone
+        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids[0] > gc.no_timestamps_token_id  # it did decode timestamps
+    return 2 * len(features)
+
+
+@pytest.mark.parametrize("base,layout", CASES, ids=[f"{b}-{layout}" for b, layout in CASES])
+def test_layout_loads_and_matches_hf_greedy(base, layout, bases, layout_folder, features, make_llm):
+    folder = layout_folder(base, layout)
+    arch = BASES[base]
+    llm = make_llm(folder, num_kv_blocks=240)
+    if arch == "whisper":
+        full_gc = GenerationConfig.from_pretrained(bases["whisper"])
+        check_whisper_parity(llm, folder, full_gc, features)
+        gc = llm.engine.generation_config
+        assert (gc.no_timestamps_token_id, gc.prev_sot_token_id) == (50362, 50360)
+        assert llm.get_tokenizer().convert_ids_to_tokens(50363) == "<|0.00|>"
+    else:
+        check_text_parity(llm, folder, arch, AutoTokenizer.from_pretrained(bases[base]))
+
+
+# -- the two failures of issue 13, on the real tiny.en ----------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_en_reference(make_llm):
+    from encdec_engine.models.ct2_import import default_model_path
+
+    path = default_model_path()
+    return path, make_llm(path, num_kv_blocks=200)
+
+
+def test_tiny_en_saved_by_transformers_with_from_model_config_loads(tiny_en_reference, tmp_path, make_llm):
+    """transformers drops every Whisper field of a generation_config.json marked _from_model_config;
+    the engine used to refuse such a checkpoint (no no_timestamps_token_id)."""
+    path, reference = tiny_en_reference
+    saved = tmp_path / "tiny.en"
+    WhisperForConditionalGeneration.from_pretrained(path).save_pretrained(saved)
+    AutoTokenizer.from_pretrained(path).save_pretrained(saved)
+    from_model_config(saved)
+    assert not hasattr(GenerationConfig.from_pretrained(saved), "no_timestamps_token_id")  # what HF sees
+    llm = make_llm(saved, num_kv_blocks=200)
+    options = dict(language="en", timestamps=False, temperatures=(0.0,))
+    ours = llm.transcribe(AUDIO / "weather.wav", **options)[0]
+    expected = reference.transcribe(AUDIO / "weather.wav", **options)[0]
+    assert ours.error is None and ours.text == expected.text and ours.text.strip()
+    assert llm.engine.generation_config.alignment_heads == reference.engine.generation_config.alignment_heads
+
+
+def test_transcribe_with_timestamps_through_a_tokenizer_without_timestamp_tokens(tiny_en_reference, tmp_path,
+                                                                                 make_llm):
+    """A tokenizer.json without <|0.00|> ... used to make the detokenizer raise inside the engine step."""
+    path, reference = tiny_en_reference
+    folder = tmp_path / "tiny.en-no-timestamps"
+    folder.mkdir()
+    for file in path.iterdir():
+        (folder / file.name).symlink_to(file)
+    (folder / "tokenizer.json").unlink()
+    shutil.copy(path / "tokenizer.json", folder / "tokenizer.json")
+    no_timestamp_tokens(folder)
+    assert len(AutoTokenizer.from_pretrained(folder)) == 50363  # up to <|notimestamps|>
+    llm = make_llm(folder, num_kv_blocks=200)
+    ours = llm.transcribe(AUDIO / "weather.wav", language="en")[0]
+    expected = reference.transcribe(AUDIO / "weather.wav", language="en")[0]
+    assert ours.error is None and ours.segments
+    assert [(s.start, s.end, s.text, s.tokens) for s in ours.segments] == \
+        [(s.start, s.end, s.text, s.tokens) for s in expected.segments]
+    raw = llm.generate({"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": load_audio_pair("weather.wav")}},
+                        "decoder_prompt": {"prompt_token_ids": [50257]}},
+                       SamplingParams(temperature=0.0, max_tokens=3, skip_special_tokens=False,
+                                      logits_processors=[timestamp_rules_from_generation_config(
+                                          llm.engine.generation_config)]), use_tqdm=False)[0]
+    assert raw.outputs[0].text.startswith("<|0.00|>")  # the timestamp renders as with HF's full tokenizer
+
+
+def load_audio_pair(name: str):
+    return load_audio(AUDIO / name), 16000
+
+
+# -- Llama with a SentencePiece tokenizer.model alone ------------------------------------------
+
+def make_sentencepiece_llama(folder: Path) -> Path:
+    """A random-init Llama whose only tokenizer file is a freshly trained SentencePiece tokenizer.model."""
+    import sentencepiece
+    from helpers import corpus
+
+    folder.mkdir()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus(400)), model_prefix=str(folder / "tokenizer"), vocab_size=500,
+        model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (folder / "tokenizer.vocab").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    staging = make_causal_lm(folder.parent / "staging", tokenizer, "llama", "gqa")
+    for file in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.move(staging / file, folder / file)
+    return folder
+
+
+def test_llama_with_a_sentencepiece_tokenizer_model_only(tmp_path, make_llm):
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf")
+    folder = make_sentencepiece_llama(tmp_path / "llama-sp")
+    assert not (folder / "tokenizer.json").exists()
+    llm = make_llm(folder, num_kv_blocks=240)
+    check_text_parity(llm, folder, "llama", AutoTokenizer.from_pretrained(folder))
+
+
+def test_a_tokenizer_the_install_cannot_read_names_the_file(tmp_path, monkeypatch, bases):
+    from encdec_engine import LLM
+    from encdec_engine.models import tokenizer_files
+
+    folder = tmp_path / "llama"
+    shutil.copytree(bases["llama_untied"], folder)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.model").write_bytes(b"")  # its bytes do not matter: the packages are missing
+    monkeypatch.setattr(tokenizer_files, "_has_module", lambda name: False)
+    with pytest.raises(ValueError, match=r"tokenizer\.model: reading a SentencePiece tokenizer needs the "
+                                         r"sentencepiece and protobuf package"):
+        LLM(model=str(folder), num_kv_blocks=16)
+    (folder / "tokenizer.model").unlink()
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        LLM(model=str(folder), num_kv_blocks=16)
+    assert LLM(model=str(folder), num_kv_blocks=16, skip_tokenizer_init=True).get_tokenizer() is None
+
+
+def test_the_matrix_counts_the_layouts_the_readme_states():
+    assert len(CASES) == 46
+
+
+def test_openai_whisper_defaults_equal_tiny_en_generation_config():
+    """With generation_config.json's decoding lists taken away, openai-whisper's rules give them back."""
+    from encdec_engine.models.ct2_import import default_model_path
+    from encdec_engine.models.whisper_vocab import complete_whisper_generation_config
+    from transformers import AutoConfig
+
+    path = default_model_path()
+    full = GenerationConfig.from_pretrained(path)
+    bare = GenerationConfig(decoder_start_token_id=50257, eos_token_id=50256)
+    complete_whisper_generation_config(bare, AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path),
+                                       str(path))
+    for field in ("suppress_tokens", "begin_suppress_tokens", "max_initial_timestamp_index", "no_timestamps_token_id",
+                  "prev_sot_token_id", "is_multilingual"):
+        assert getattr(bare, field) == getattr(full, field), field
