@@ -141,6 +141,15 @@ BASES = {"bart": "bart", "bart_untied": "bart", "gpt2": "gpt2", "gpt2_untied": "
 CASES = ([(base, layout) for base in ("bart", "gpt2", "llama_untied") for layout in LAYOUTS]
          + [("whisper", layout) for layout in WHISPER_LAYOUTS]
          + [(base, "saved") for base in ("bart_untied", "gpt2_untied", "llama_tied", "whisper_untied")])
+# The default run: every Whisper generation-config and tokenizer layout, and each weight layout, dtype,
+# tokenizer form and head once; the remaining combinations run with -m slow.
+DEFAULT_CASES = {("whisper", layout) for layout in ("saved", "no_generation_config", "minimal_generation_config",
+                                                    "from_model_config", "no_timestamp_tokens",
+                                                    "slow_tokenizer_no_gc", "sharded_bin", "bf16")}
+DEFAULT_CASES |= {("bart", "sharded_safetensors"), ("bart", "fp16"), ("bart", "slow_tokenizer"),
+                  ("bart", "no_generation_config"), ("gpt2", "pytorch_bin"), ("gpt2", "slow_tokenizer"),
+                  ("llama_untied", "sharded_safetensors"), ("llama_untied", "bf16")}
+DEFAULT_CASES |= {(base, "saved") for base in ("bart_untied", "gpt2_untied", "llama_tied", "whisper_untied")}
 
 
 @pytest.fixture(scope="module")
@@ -189,66 +198,99 @@ def decoder_only_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> li
     return out[0, len(prompt_ids):].tolist()
 
 
-def check_text_parity(llm, folder: Path, arch: str, reference_tokenizer) -> int:
+def text_reference(folder: Path, arch: str, outs) -> list[list[int]]:
+    """HF's greedy tokens for the engine's prompts."""
+    hf = hf_model(folder, arch)
+    if arch == "bart":
+        return [hf_greedy(hf, o.encoder_prompt_token_ids, o.prompt_token_ids, MAX_TOKENS) for o in outs]
+    return [decoder_only_greedy(hf, o.prompt_token_ids, MAX_TOKENS) for o in outs]
+
+
+def whisper_reference(folder: Path, full_gc, features: torch.Tensor) -> dict[str, list[list[int]]]:
+    """HF's greedy tokens given the complete generation config: the whole sequence without timestamps,
+    the generated tokens with them (HF's return values)."""
+    hf = hf_model(folder, "whisper")
+    with torch.no_grad():
+        plain = hf.generate(input_features=features, generation_config=full_gc, max_new_tokens=MAX_TOKENS,
+                            return_dict_in_generate=True).sequences
+        timed = hf.generate(input_features=features, generation_config=full_gc, max_new_tokens=MAX_TOKENS,
+                            return_timestamps=True)
+    return {"plain": unpad(plain, full_gc.pad_token_id), "timestamps": unpad(timed, full_gc.pad_token_id)}
+
+
+def unpad(rows: torch.Tensor, pad: int) -> list[list[int]]:
+    """HF's batch rows without the padding after a shorter row's EOS (Whisper pads with EOS)."""
+    out = []
+    for row in rows.tolist():
+        out.append(row[: row.index(pad) + 1] if pad in row else row)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(bases, features) -> Callable:
+    """HF's tokens per checkpoint weights, made once: the layouts that only move the tensors between files
+    share the base's, fp16/bf16 files get their own (HF reads the rounded weights from them)."""
+    cache: dict = {}
+
+    def get(base: str, layout: str, folder: Path, compute: Callable[[Path], object]):
+        key = (base, layout if layout in ("fp16", "bf16") else "fp32")
+        if key not in cache:
+            cache[key] = compute(folder if key[1] != "fp32" else bases[base])
+        return cache[key]
+
+    return get
+
+
+def check_text_parity(llm, arch: str, reference_tokenizer, reference: Callable) -> None:
     outs = llm.generate(TEXT_PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     texts = [p for p in TEXT_PROMPTS if isinstance(p, str)]
     # Whatever files the tokenizer came from, it splits text as the fast tokenizer does.
     ours = [o.encoder_prompt_token_ids if arch == "bart" else o.prompt_token_ids for o in outs[: len(texts)]]
     assert ours == [reference_tokenizer(t)["input_ids"] for t in texts]
-    hf = hf_model(folder, arch)
-    for out in outs:
-        if arch == "bart":
-            ref = hf_greedy(hf, out.encoder_prompt_token_ids, out.prompt_token_ids, MAX_TOKENS)
-        else:
-            ref = decoder_only_greedy(hf, out.prompt_token_ids, MAX_TOKENS)
-        assert out.outputs[0].token_ids == ref
+    assert [o.outputs[0].token_ids for o in outs] == reference(lambda folder: text_reference(folder, arch, outs))
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1  # not one repeated answer
-    return len(outs)
 
 
 def whisper_prompts(features: torch.Tensor) -> list[dict]:
     return [{"prompt": "", "multi_modal_data": {"input_features": f}} for f in features]
 
 
-def check_whisper_parity(llm, folder: Path, full_gc, features: torch.Tensor) -> int:
+def check_whisper_parity(llm, full_gc, features: torch.Tensor, reference: Callable) -> None:
     """Greedy without timestamps (the checkpoint's suppression applied by default, as in HF), then
     with HF's timestamp rules, against HF given the complete generation config."""
-    hf = hf_model(folder, "whisper")
+    ref = reference(lambda folder: whisper_reference(folder, full_gc, features))
     outs = llm.generate(whisper_prompts(features), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                         use_tqdm=False)
-    for out, f in zip(outs, features):
-        with torch.no_grad():
-            ref = hf.generate(input_features=f[None], generation_config=full_gc, max_new_tokens=MAX_TOKENS,
-                              return_dict_in_generate=True).sequences[0].tolist()
-        assert out.prompt_token_ids + out.outputs[0].token_ids == ref
+    assert [o.prompt_token_ids + o.outputs[0].token_ids for o in outs] == ref["plain"]
     gc = llm.engine.generation_config
     timestamped = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                  logits_processors=[timestamp_rules_from_generation_config(gc)])
     sot = [llm.engine.hf_config.decoder_start_token_id]  # English-only, timestamp mode: no <|notimestamps|>
     outs = llm.generate([{"encoder_prompt": p, "decoder_prompt": {"prompt_token_ids": sot}}
                          for p in whisper_prompts(features)], timestamped, use_tqdm=False)
-    for out, f in zip(outs, features):
-        with torch.no_grad():
-            ref = hf.generate(input_features=f[None], generation_config=full_gc, max_new_tokens=MAX_TOKENS,
-                              return_timestamps=True)[0].tolist()  # the generated tokens alone
-        assert out.outputs[0].token_ids == ref
-        assert out.outputs[0].token_ids[0] > gc.no_timestamps_token_id  # it did decode timestamps
-    return 2 * len(features)
+    assert [o.outputs[0].token_ids for o in outs] == ref["timestamps"]
+    assert all(o.outputs[0].token_ids[0] > gc.no_timestamps_token_id for o in outs)  # it did decode timestamps
 
 
-@pytest.mark.parametrize("base,layout", CASES, ids=[f"{b}-{layout}" for b, layout in CASES])
-def test_layout_loads_and_matches_hf_greedy(base, layout, bases, layout_folder, features, make_llm):
+def case_params(cases: list[tuple[str, str]]) -> list:
+    """The default run keeps DEFAULT_CASES; the rest of the matrix is marked slow."""
+    return [pytest.param(base, layout, id=f"{base}-{layout}",
+                         marks=() if (base, layout) in DEFAULT_CASES else pytest.mark.slow) for base, layout in cases]
+
+
+@pytest.mark.parametrize("base,layout", case_params(CASES))
+def test_layout_loads_and_matches_hf_greedy(base, layout, bases, layout_folder, features, references, make_llm):
     folder = layout_folder(base, layout)
     arch = BASES[base]
     llm = make_llm(folder, num_kv_blocks=240)
+    reference = lambda compute: references(base, layout, folder, compute)  # noqa: E731
     if arch == "whisper":
-        full_gc = GenerationConfig.from_pretrained(bases["whisper"])
-        check_whisper_parity(llm, folder, full_gc, features)
+        check_whisper_parity(llm, GenerationConfig.from_pretrained(bases["whisper"]), features, reference)
         gc = llm.engine.generation_config
         assert (gc.no_timestamps_token_id, gc.prev_sot_token_id) == (50362, 50360)
         assert llm.get_tokenizer().convert_ids_to_tokens(50363) == "<|0.00|>"
     else:
-        check_text_parity(llm, folder, arch, AutoTokenizer.from_pretrained(bases[base]))
+        check_text_parity(llm, arch, AutoTokenizer.from_pretrained(bases[base]), reference)
 
 
 # -- the two failures of issue 13, on the real tiny.en ----------------------------------------
@@ -334,7 +376,7 @@ def test_llama_with_a_sentencepiece_tokenizer_model_only(tmp_path, make_llm):
     folder = make_sentencepiece_llama(tmp_path / "llama-sp")
     assert not (folder / "tokenizer.json").exists()
     llm = make_llm(folder, num_kv_blocks=240)
-    check_text_parity(llm, folder, "llama", AutoTokenizer.from_pretrained(folder))
+    check_text_parity(llm, "llama", AutoTokenizer.from_pretrained(folder), lambda compute: compute(folder))
 
 
 def test_a_tokenizer_the_install_cannot_read_names_the_file(tmp_path, monkeypatch, bases):
@@ -373,3 +415,61 @@ def test_openai_whisper_defaults_equal_tiny_en_generation_config():
     for field in ("suppress_tokens", "begin_suppress_tokens", "max_initial_timestamp_index", "no_timestamps_token_id",
                   "prev_sot_token_id", "is_multilingual"):
         assert getattr(bare, field) == getattr(full, field), field
+
+
+# -- what cannot be served fails at load, naming the file and the field ------------------------
+
+def _missing_shard(folder: Path) -> None:
+    sharded_bin(folder)
+    (folder / "pytorch_model-00002-of-00003.bin").unlink()
+
+
+def _wrong_shape(folder: Path) -> None:
+    _edit_json(folder / "config.json", n_inner=100)
+
+
+def _untied_head_said_tied(folder: Path) -> None:
+    _edit_json(folder / "config.json", tie_word_embeddings=True)
+
+
+def _unknown_whisper_vocabulary(folder: Path) -> None:
+    no_generation_config(folder)
+    (folder / "tokenizer.json").unlink()
+    _edit_json(folder / "config.json", vocab_size=51870)
+
+
+@pytest.mark.parametrize("base,edit,match", [
+    ("gpt2", lambda f: (f / "generation_config.json").write_text("{not json"),
+     r"generation_config\.json: not a readable JSON"),
+    ("gpt2", _missing_shard, r"pytorch_model\.bin\.index\.json: weight_map names shard files that are not there: "
+                             r"pytorch_model-00002-of-00003\.bin"),
+    ("gpt2", _wrong_shape, r"the weights \(model\.safetensors\) do not fit config\.json: weight h\.0\.mlp\.c_fc\.\w+: "),
+    ("whisper_untied", _untied_head_said_tied, r"weight proj_out\.weight differs from decoder\.embed_tokens\.weight, "
+                                               r"which the config ties it to"),
+    ("whisper", _unknown_whisper_vocabulary, r"no no_timestamps_token_id, the tokenizer has no <\|notimestamps\|> "
+                                             r"token, and config\.json vocab_size 51870 is none of openai-whisper"),
+], ids=["bad_generation_config", "missing_shard", "wrong_shape", "untied_head_said_tied", "unknown_whisper_vocab"])
+def test_a_checkpoint_that_cannot_be_served_is_refused_naming_the_file(base, edit, match, bases, tmp_path):
+    from encdec_engine import LLM
+
+    folder = tmp_path / base
+    shutil.copytree(bases[base], folder)
+    edit(folder)
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(folder), num_kv_blocks=240, skip_tokenizer_init=base == "whisper")
+
+
+def test_ids_past_the_tokenizer_decode_to_no_text(bases):
+    """A vocabulary padded past its tokenizer: such an id adds no text (vLLM), instead of failing the step."""
+    from encdec_engine.engine.detokenizer import Detokenizer
+    from encdec_engine.sequence import Sequence
+
+    tokenizer = AutoTokenizer.from_pretrained(bases["gpt2"])
+    seq = Sequence(0, [5])
+    detokenizer = Detokenizer(tokenizer)
+    text = []
+    for token in [*tokenizer.encode(" rain", add_special_tokens=False), len(tokenizer) + 7,
+                  *tokenizer.encode(" falls", add_special_tokens=False)]:
+        seq.append_token(token, 0.0, None)
+        text.append(detokenizer.step(seq, skip_special_tokens=True))
+    assert text == [" rain", "", " falls"]
