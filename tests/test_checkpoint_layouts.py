@@ -398,11 +398,12 @@ def test_a_tokenizer_the_install_cannot_read_names_the_file(tmp_path, monkeypatc
 
 
 def test_the_matrix_counts_the_layouts_the_readme_states():
-    assert len(CASES) == 46
+    assert (len(CASES), len(DEFAULT_CASES & set(CASES))) == (46, 20)
 
 
-def test_openai_whisper_defaults_equal_tiny_en_generation_config():
-    """With generation_config.json's decoding lists taken away, openai-whisper's rules give them back."""
+def test_openai_whisper_defaults_equal_tiny_en_generation_config(caplog):
+    """With generation_config.json's Whisper fields taken away, the tokenizer and openai-whisper's rules
+    give them back, and the loader says where each came from."""
     from encdec_engine.models.ct2_import import default_model_path
     from encdec_engine.models.whisper_vocab import complete_whisper_generation_config
     from transformers import AutoConfig
@@ -410,11 +411,32 @@ def test_openai_whisper_defaults_equal_tiny_en_generation_config():
     path = default_model_path()
     full = GenerationConfig.from_pretrained(path)
     bare = GenerationConfig(decoder_start_token_id=50257, eos_token_id=50256)
-    complete_whisper_generation_config(bare, AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path),
-                                       str(path))
+    with caplog.at_level("INFO", logger="encdec_engine"):
+        complete_whisper_generation_config(bare, AutoConfig.from_pretrained(path),
+                                           AutoTokenizer.from_pretrained(path), str(path))
     for field in ("suppress_tokens", "begin_suppress_tokens", "max_initial_timestamp_index", "no_timestamps_token_id",
                   "prev_sot_token_id", "is_multilingual"):
         assert getattr(bare, field) == getattr(full, field), field
+    (record,) = [r for r in caplog.records if r.name.startswith("encdec_engine")]
+    assert record.levelname == "WARNING"
+    assert "no_timestamps_token_id, prev_sot_token_id, suppress_tokens from the tokenizer vocabulary" in record.message
+    assert "max_initial_timestamp_index, suppress_tokens, begin_suppress_tokens from openai-whisper's decoding " \
+           "defaults" in record.message
+
+
+def test_fields_transformers_drops_are_read_from_the_json(bases, tmp_path, caplog):
+    from encdec_engine.models.generation_config import load_generation_config
+    from transformers import AutoConfig
+
+    folder = tmp_path / "whisper"
+    shutil.copytree(bases["whisper"], folder)
+    from_model_config(folder)
+    with caplog.at_level("INFO", logger="encdec_engine"):
+        gc = load_generation_config(folder, AutoConfig.from_pretrained(folder))
+    full = GenerationConfig.from_pretrained(bases["whisper"])
+    assert (gc.no_timestamps_token_id, gc.alignment_heads, gc.max_initial_timestamp_index) == \
+        (full.no_timestamps_token_id, full.alignment_heads, full.max_initial_timestamp_index)
+    assert any("restored" in r.message and "no_timestamps_token_id" in r.message for r in caplog.records)
 
 
 # -- what cannot be served fails at load, naming the file and the field ------------------------
