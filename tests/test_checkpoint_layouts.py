@@ -495,3 +495,27 @@ def test_ids_past_the_tokenizer_decode_to_no_text(bases):
         seq.append_token(token, 0.0, None)
         text.append(detokenizer.step(seq, skip_special_tokens=True))
     assert text == [" rain", "", " falls"]
+
+
+@pytest.mark.parametrize("vocab_size,expected", [
+    (51864, dict(multilingual=False, languages=99, sot_prev=50360, no_timestamps=50362)),  # tiny.en ... medium.en
+    (51865, dict(multilingual=True, languages=99, sot_prev=50361, no_timestamps=50363, en=50259, transcribe=50359,
+                 translate=50358)),  # tiny ... large-v2
+    (51866, dict(multilingual=True, languages=100, sot_prev=50362, no_timestamps=50364, en=50259, transcribe=50360,
+                 translate=50359, yue=50358)),  # large-v3
+])
+def test_openai_whisper_layout_without_tokenizer_or_generation_config(vocab_size, expected):
+    """The ids of HF's own generation configs for these vocabularies, from the vocabulary size alone."""
+    from encdec_engine.models.whisper_vocab import complete_whisper_generation_config
+    from transformers import WhisperConfig
+
+    config = WhisperConfig(vocab_size=vocab_size, decoder_start_token_id=50257 + (vocab_size > 51864))
+    gc = GenerationConfig()
+    complete_whisper_generation_config(gc, config, None, "test")
+    assert gc.is_multilingual == expected["multilingual"]
+    assert (gc.prev_sot_token_id, gc.no_timestamps_token_id) == (expected["sot_prev"], expected["no_timestamps"])
+    assert gc.suppress_tokens is None  # openai-whisper's symbol list needs the tokenizer
+    if expected["multilingual"]:
+        assert len(gc.lang_to_id) == expected["languages"] and gc.lang_to_id["<|en|>"] == expected["en"]
+        assert gc.task_to_id == {"transcribe": expected["transcribe"], "translate": expected["translate"]}
+        assert gc.lang_to_id.get("<|yue|>") == expected.get("yue")
