@@ -9,7 +9,7 @@
     models/whisper-<name>/     random-init Whisper of models/configs/whisper.json's entry <name>
                                (tiny.en's tokenizer and generation config)
 
-Random-init text models get the test suite's byte-level BPE tokenizer (601 tokens); a
+Random-init text models get the test suite's small byte-level BPE tokenizer; a
 config with a larger vocab_size (bart base/large, gpt2 small) has ids past the tokenizer,
 which decode to no text. Then, e.g.: ``encdec generate prompts/strings.jsonl --model models/bart-small``.
 
