@@ -15,7 +15,7 @@ from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.inputs.prompts import PromptType
 from encdec_engine.outputs import RequestOutput, Transcription
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.transcription import Transcriber, TranscribeOptions
+from encdec_engine.speech.transcriber import Transcriber, TranscribeOptions
 
 
 class LLM:

@@ -25,7 +25,7 @@ from encdec_engine.entrypoints.cli import build_parser
 from encdec_engine.entrypoints.server import ServerLimits, build_app
 from encdec_engine.entrypoints.writers import render
 from encdec_engine.models.ct2_import import default_model_path
-from encdec_engine.transcription import Transcriber, TranscribeOptions
+from encdec_engine.speech.transcriber import Transcriber, TranscribeOptions
 
 AUDIO = Path(__file__).resolve().parent.parent / "prompts" / "audio"
 KEY = "test-key"
@@ -200,7 +200,7 @@ def test_transcription_chunking_strategy_auto(whisper_server, tmp_path):
     """OpenAI's chunking_strategy="auto": the chunks of a 45 s upload run at once, as LLM.transcribe(chunked=True)."""
     import soundfile
 
-    from encdec_engine.inputs.audio import load_audio
+    from encdec_engine.speech.audio import load_audio
 
     clip = tmp_path / "meeting45.wav"
     soundfile.write(clip, load_audio(AUDIO / "long_meeting.flac")[: 45 * 16000], 16000, subtype="PCM_16")

@@ -9,8 +9,8 @@ import pytest
 from helpers import norm
 
 from encdec_engine.outputs import Segment, Word
-from encdec_engine.transcription import TranscribeOptions
-from encdec_engine.word_timestamps import cut_hallucinations, is_segment_anomaly, word_anomaly_score
+from encdec_engine.speech.transcriber import TranscribeOptions
+from encdec_engine.speech.word_timestamps import cut_hallucinations, is_segment_anomaly, word_anomaly_score
 
 AUDIO = Path(__file__).resolve().parents[1] / "prompts" / "audio"
 TRANSCRIPTS = json.loads((AUDIO / "transcripts.json").read_text())
@@ -67,7 +67,7 @@ def test_bad_options_name_the_problem(options, match):
 
 
 def test_adjacent_clips_and_the_next_clip_starts_at_its_start():
-    from encdec_engine.transcription import Transcriber, TranscriptionJob
+    from encdec_engine.speech.transcriber import Transcriber, TranscriptionJob
 
     assert TranscribeOptions(clip_timestamps="0,5,5,9").clip_timestamps == (0.0, 5.0, 5.0, 9.0)
     # A window of the first clip ran on to frame 1600: the second clip still starts at its start, as in
@@ -147,7 +147,7 @@ def test_cut_keeps_a_hallucination_like_segment_next_to_speech():
 def test_quiet_cuts_fall_in_the_quietest_frames():
     import numpy as np
 
-    from encdec_engine.inputs.audio_chunks import quiet_cuts
+    from encdec_engine.speech.chunking import quiet_cuts
 
     loudness = np.zeros(7000)
     assert quiet_cuts(loudness, 0, 2500) == [(0, 2500)]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from encdec_engine import SamplingParams
-from encdec_engine.inputs.audio import load_audio
-from encdec_engine.inputs.audio_features import log_mel_spectrogram
+from encdec_engine.speech.audio import load_audio
+from encdec_engine.speech.features import log_mel_spectrogram
 from encdec_engine.models.ct2_import import default_model_path
-from encdec_engine.word_timestamps import (WordTiming, alignment_heads, alignment_path, dtw, median_filter,
+from encdec_engine.speech.word_timestamps import (WordTiming, alignment_heads, alignment_path, dtw, median_filter,
                                            merge_punctuations, split_to_word_tokens)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +152,7 @@ def test_windows_that_cannot_be_aligned_keep_their_segments_without_words(make_l
     """Too short to align (one encoder position), or text too long for the decoder with the
     alignment prefix: the segments stay, with no words, and nothing fails."""
     from encdec_engine.outputs import Segment
-    from encdec_engine.transcription import DecodedWindow, Transcriber, TranscribeOptions
+    from encdec_engine.speech.transcriber import DecodedWindow, Transcriber, TranscribeOptions
 
     llm = make_llm(default_model_path())
     noise = np.random.default_rng(0).standard_normal(320).astype(np.float32) * 0.1  # 20 ms

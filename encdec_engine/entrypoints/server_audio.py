@@ -21,9 +21,9 @@ from encdec_engine.entrypoints.server_errors import APIError, engine_error
 from encdec_engine.entrypoints.server_gate import Ticket
 from encdec_engine.entrypoints.server_state import ServerState, SSEResponse, sse, sse_error, state_of, until_disconnect
 from encdec_engine.entrypoints.writers import render
-from encdec_engine.inputs.audio import AUDIO_EXTENSIONS, N_FRAMES, SAMPLE_RATE, AudioError, load_audio, load_audio_bytes
+from encdec_engine.speech.audio import AUDIO_EXTENSIONS, N_FRAMES, SAMPLE_RATE, AudioError, load_audio, load_audio_bytes
 from encdec_engine.outputs import Transcription
-from encdec_engine.transcription import Transcriber, TranscribeOptions
+from encdec_engine.speech.transcriber import Transcriber, TranscribeOptions
 
 # Containers libsndfile cannot read from memory; decoded through a temporary file and ffmpeg.
 _FFMPEG_ONLY = AUDIO_EXTENSIONS - {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".au"}

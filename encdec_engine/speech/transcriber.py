@@ -25,15 +25,15 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from encdec_engine.inputs.audio import FRAMES_PER_SECOND, HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
-from encdec_engine.inputs.audio_chunks import frame_loudness, quiet_cuts
-from encdec_engine.inputs.audio_features import log_mel_spectrogram
-from encdec_engine.layers.whisper_timestamps import timestamp_rules_from_generation_config
+from encdec_engine.speech.audio import FRAMES_PER_SECOND, HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
+from encdec_engine.speech.chunking import frame_loudness, quiet_cuts
+from encdec_engine.speech.features import log_mel_spectrogram
+from encdec_engine.speech.timestamp_rules import timestamp_rules_from_generation_config
 from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens, language_code
 from encdec_engine.outputs import RequestOutput, Segment, Transcription
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.transcribe_options import TranscribeOptions
-from encdec_engine.word_timestamps import (add_word_timestamps, alignment_heads, cut_hallucinations, find_alignment,
+from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.word_timestamps import (add_word_timestamps, alignment_heads, cut_hallucinations, find_alignment,
                                            last_word_end, speech_end)
 
 INPUT_STRIDE = 2  # mel frames per encoder position (the second conv has stride 2)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from encdec_engine.inputs.audio import FRAMES_PER_SECOND, N_FRAMES
+from encdec_engine.speech.audio import FRAMES_PER_SECOND, N_FRAMES
 from encdec_engine.outputs import Segment, Word
 
 TOKENS_PER_SECOND = 50  # encoder positions per second of audio
