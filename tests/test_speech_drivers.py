@@ -105,3 +105,25 @@ def test_a_failing_chunk_stops_the_others_and_frees_their_blocks(tmp_path, make_
         run_async(engine, CHUNKED, MEETING)
     assert not engine.has_unfinished_requests()  # the first chunk's request was aborted
     assert engine.num_free_blocks() == engine.num_total_blocks()
+
+
+def test_a_window_is_yielded_before_its_job_takes_it(tmp_path, make_llm):
+    """What a stream relies on: at a request's last output the job's segments do not hold that window
+    yet (the server sends committed text + the window's text)."""
+    llm = whisper(tmp_path, make_llm, multilingual=False)
+    options = TranscribeOptions(clip_timestamps="0,50", temperatures=(0.0,))  # windows one after another
+
+    async def main():
+        async_engine = AsyncLLMEngine(llm.engine)
+        async_engine.start()
+        try:
+            transcriber = Transcriber(llm.engine, options)
+            job = transcriber.load(0, MEETING)
+            taken = [job.window async for out in transcribe_async(async_engine, transcriber, job, "t")
+                     if out.finished]
+            return taken, job
+        finally:
+            await async_engine.shutdown()
+
+    taken, job = asyncio.run(main())
+    assert taken == list(range(job.window)) and job.window >= 2
