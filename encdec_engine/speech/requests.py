@@ -9,8 +9,8 @@ A window's request is one of three:
     alignment   <|startoftranscript|> ... <|notimestamps|> text <|endoftext|>   (teacher-forced)
                                                             -> cross-attention of the alignment heads
 
-Every request carries the window's log-mel as its encoder input, so the engine's prefix cache
-serves the second and later requests of a window without running the encoder again.
+Every request carries the window's log-mel as its encoder input, so with prefix caching on (the
+default) the second and later requests of a window reuse its encoder output.
 """
 
 from __future__ import annotations
