@@ -1,21 +1,20 @@
-"""The offline Python API: `LLM.generate` and `LLM.summarize`."""
+"""The offline Python API: `LLM.generate`, `LLM.summarize` and `LLM.transcribe`."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from pathlib import Path
 
-import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from encdec_engine.config import EngineConfig
 from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.inputs.prompts import PromptType
-from encdec_engine.outputs import RequestOutput, Transcription
+from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.transcription import Transcriber, TranscribeOptions
+from encdec_engine.speech.offline import transcribe_offline
+from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.results import Transcription
 
 
 class LLM:
@@ -91,8 +90,8 @@ class LLM:
         """Transcribe audio files (any format librosa reads), arrays at 16 kHz, or (samples, sample_rate)
         pairs. Returns one Transcription per input in input order; an input that cannot be read gets
         `error` set while the others are still transcribed. `options` are TranscribeOptions fields."""
-        transcriber = Transcriber(self.engine, TranscribeOptions(language=language, task=task, **options))
-        return transcriber.run(_audio_inputs(audio), use_tqdm=use_tqdm, max_in_flight=max_in_flight)
+        return transcribe_offline(self.engine, TranscribeOptions(language=language, task=task, **options), audio,
+                                  use_tqdm=use_tqdm, max_in_flight=max_in_flight)
 
     def summarize(self, texts: str | Sequence[str], use_tqdm: bool = False, **overrides) -> list[str]:
         """Summaries exactly as HF `generate` makes them with the checkpoint's generation config
@@ -143,11 +142,3 @@ def summarization_params(engine: LLMEngine, **overrides) -> SamplingParams:
 
 def _or_default(value, default):
     return default if value is None else value
-
-
-def _audio_inputs(audio) -> list:
-    """One input (a path, file bytes, a 1-D array, a (samples, rate) pair) or a sequence of them -> a list."""
-    one = (isinstance(audio, (str, Path, bytes, bytearray))
-           or (isinstance(audio, (np.ndarray, torch.Tensor)) and audio.ndim == 1)
-           or (isinstance(audio, tuple) and len(audio) == 2 and not isinstance(audio[0], (str, Path))))
-    return [audio] if one else list(audio)

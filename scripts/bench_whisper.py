@@ -124,14 +124,14 @@ class Result:
 
 
 def bundled_clips() -> list[Clip]:
-    from encdec_engine.inputs.audio import load_audio
+    from encdec_engine.speech.audio import load_audio
 
     refs = json.loads((AUDIO_DIR / "transcripts.json").read_text())
     return [Clip(p.name, load_audio(p), refs[p.name]) for p in sorted(AUDIO_DIR.glob("*.wav"))]
 
 
 def synthesized_clips(count: int, tmp: Path) -> list[Clip]:
-    from encdec_engine.inputs.audio import load_audio
+    from encdec_engine.speech.audio import load_audio
 
     clips = []
     for i in range(count):
@@ -189,7 +189,7 @@ def load_hf(model: Path) -> HFPair:
 
 
 def hf_system(hf: HFPair, batch_size: int, eot: int) -> Transcribe:
-    from encdec_engine.inputs.audio_features import log_mel_spectrogram
+    from encdec_engine.speech.features import log_mel_spectrogram
 
     model, tokenizer = hf
 
@@ -265,7 +265,7 @@ def ct2_system(fw: WhisperModel, hf: HFPair, batch_size: int, eot: int) -> Trans
     equal the engine's and its speed compares at equal output."""
     import ctranslate2
 
-    from encdec_engine.inputs.audio_features import log_mel_spectrogram
+    from encdec_engine.speech.features import log_mel_spectrogram
 
     model, tokenizer = hf
     gc = model.generation_config

@@ -90,8 +90,8 @@ def test_bart_bf16_first_tokens_agree_with_hf_bf16(bart_path, make_llm):
 def whisper_clips():
     from test_whisper import AUDIO, SHORT_CLIPS
 
-    from encdec_engine.inputs.audio import load_audio
-    from encdec_engine.inputs.audio_features import log_mel_spectrogram
+    from encdec_engine.speech.audio import load_audio
+    from encdec_engine.speech.features import log_mel_spectrogram
 
     files = [AUDIO / n for n in SHORT_CLIPS]
     return files, log_mel_spectrogram([load_audio(f) for f in files])

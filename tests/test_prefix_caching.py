@@ -66,7 +66,7 @@ def test_whisper_audio_reuse(make_llm):
 
     from encdec_engine.models.ct2_import import default_model_path
 
-    from encdec_engine.inputs.audio import load_audio
+    from encdec_engine.speech.audio import load_audio
 
     llm = make_llm(default_model_path())
     # Quieter than the bundled clip, so no other test on this shared engine has cached it.

@@ -25,7 +25,8 @@ from encdec_engine.entrypoints.cli import build_parser
 from encdec_engine.entrypoints.server import ServerLimits, build_app
 from encdec_engine.entrypoints.writers import render
 from encdec_engine.models.ct2_import import default_model_path
-from encdec_engine.transcription import Transcriber, TranscribeOptions
+from encdec_engine.speech.offline import transcribe_offline
+from encdec_engine.speech.options import TranscribeOptions
 
 AUDIO = Path(__file__).resolve().parent.parent / "prompts" / "audio"
 KEY = "test-key"
@@ -144,7 +145,7 @@ def wait_until_gone(server: LiveServer, endpoint: str, before: int) -> None:
 def reference_transcript(server: LiveServer, name: str, **options):
     """The offline transcript, computed on the server's own engine thread while nothing else runs."""
     opts = TranscribeOptions(language="en", **options)
-    return server.on_engine(lambda e: Transcriber(e, opts).run([AUDIO / name])[0])
+    return server.on_engine(lambda e: transcribe_offline(e, opts, [AUDIO / name])[0])
 
 
 # -- discovery ------------------------------------------------------------------
@@ -200,12 +201,12 @@ def test_transcription_chunking_strategy_auto(whisper_server, tmp_path):
     """OpenAI's chunking_strategy="auto": the chunks of a 45 s upload run at once, as LLM.transcribe(chunked=True)."""
     import soundfile
 
-    from encdec_engine.inputs.audio import load_audio
+    from encdec_engine.speech.audio import load_audio
 
     clip = tmp_path / "meeting45.wav"
     soundfile.write(clip, load_audio(AUDIO / "long_meeting.flac")[: 45 * 16000], 16000, subtype="PCM_16")
     opts = TranscribeOptions(language="en", chunked=True)
-    ref = whisper_server.on_engine(lambda e: Transcriber(e, opts).run([clip])[0])
+    ref = whisper_server.on_engine(lambda e: transcribe_offline(e, opts, [clip])[0])
     with open(clip, "rb") as f:
         got = whisper_server.client().audio.transcriptions.create(
             model="whisper-1", file=f, response_format="verbose_json", timestamp_granularities=["segment"],
@@ -407,7 +408,7 @@ def test_metric_samples_are_exact():
 
 def test_translations_report_english():
     from encdec_engine.entrypoints.protocol import verbose_transcription
-    from encdec_engine.outputs import Transcription
+    from encdec_engine.speech.results import Transcription
 
     t = Transcription(text=" Hello.", language="fr", segments=[], duration=1.0)
     assert verbose_transcription(t, "translate").language == "english"

@@ -8,9 +8,9 @@ import jiwer
 import pytest
 from helpers import norm
 
-from encdec_engine.outputs import Segment, Word
-from encdec_engine.transcription import TranscribeOptions
-from encdec_engine.word_timestamps import cut_hallucinations, is_segment_anomaly, word_anomaly_score
+from encdec_engine.speech.hallucinations import cut_hallucinations, is_segment_anomaly, word_anomaly_score
+from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.results import Segment, Word
 
 AUDIO = Path(__file__).resolve().parents[1] / "prompts" / "audio"
 TRANSCRIPTS = json.loads((AUDIO / "transcripts.json").read_text())
@@ -67,15 +67,16 @@ def test_bad_options_name_the_problem(options, match):
 
 
 def test_adjacent_clips_and_the_next_clip_starts_at_its_start():
-    from encdec_engine.transcription import Transcriber, TranscriptionJob
+    from encdec_engine.speech.job import TranscriptionJob
+    from encdec_engine.speech.windows import WindowPlanner
 
     assert TranscribeOptions(clip_timestamps="0,5,5,9").clip_timestamps == (0.0, 5.0, 5.0, 9.0)
     # A window of the first clip ran on to frame 1600: the second clip still starts at its start, as in
     # openai-whisper and faster-whisper.
     job = TranscriptionJob(0, None, long_form=True, clips=[(0, 1530), (1560, 3000)], seek=1600)
-    assert Transcriber._advance(job) and (job.clip_index, job.seek) == (1, 1560)
+    assert WindowPlanner.advance(job) and (job.clip_index, job.seek) == (1, 1560)
     job.seek = 3000
-    assert not Transcriber._advance(job) and job.done
+    assert not WindowPlanner.advance(job) and job.done
 
 
 def words_segment(start: float, words: list[tuple[str, float, float, float]]) -> Segment:
@@ -147,7 +148,7 @@ def test_cut_keeps_a_hallucination_like_segment_next_to_speech():
 def test_quiet_cuts_fall_in_the_quietest_frames():
     import numpy as np
 
-    from encdec_engine.inputs.audio_chunks import quiet_cuts
+    from encdec_engine.speech.chunking import quiet_cuts
 
     loudness = np.zeros(7000)
     assert quiet_cuts(loudness, 0, 2500) == [(0, 2500)]

@@ -9,7 +9,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
 
-from encdec_engine.layers.whisper_timestamps import TimestampRules, timestamp_rules_from_generation_config
+from encdec_engine.speech.timestamp_rules import TimestampRules, timestamp_rules_from_generation_config
 
 # Small fake Whisper vocab: text 0..39, eos 40, <|notimestamps|> 41, timestamps 42..59.
 EOS, NO_TS, TS_BEGIN, VOCAB = 40, 41, 42, 60

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from encdec_engine import SamplingParams
-from encdec_engine.inputs.audio import load_audio
-from encdec_engine.inputs.audio_features import log_mel_spectrogram
+from encdec_engine.speech.audio import load_audio
+from encdec_engine.speech.features import log_mel_spectrogram
 from encdec_engine.models.ct2_import import default_model_path
-from encdec_engine.word_timestamps import (WordTiming, alignment_heads, alignment_path, dtw, median_filter,
+from encdec_engine.speech.word_timestamps import (WordTiming, alignment_heads, alignment_path, dtw, median_filter,
                                            merge_punctuations, split_to_word_tokens)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,8 +151,10 @@ def test_alignment_heads_default_to_the_upper_half_of_the_decoder():
 def test_windows_that_cannot_be_aligned_keep_their_segments_without_words(make_llm):
     """Too short to align (one encoder position), or text too long for the decoder with the
     alignment prefix: the segments stay, with no words, and nothing fails."""
-    from encdec_engine.outputs import Segment
-    from encdec_engine.transcription import DecodedWindow, Transcriber, TranscribeOptions
+    from encdec_engine.speech.job import DecodedWindow
+    from encdec_engine.speech.options import TranscribeOptions
+    from encdec_engine.speech.results import Segment
+    from encdec_engine.speech.transcriber import Transcriber
 
     llm = make_llm(default_model_path())
     noise = np.random.default_rng(0).standard_normal(320).astype(np.float32) * 0.1  # 20 ms
@@ -161,6 +163,6 @@ def test_windows_that_cannot_be_aligned_keep_their_segments_without_words(make_l
     transcriber = Transcriber(llm.engine, TranscribeOptions(word_timestamps=True))
     job = transcriber.load(0, AUDIO / "fox.wav")
     window = DecodedWindow([Segment(0, 0.0, 3.0, " the" * 446, [262] * 446)], 372, 0.0, 372, True, 0.0)
-    assert not transcriber._alignable(job, window)
+    assert not transcriber.requests.can_align(job, window)
     window.segments[0].tokens = [262] * 445
-    assert transcriber._alignable(job, window)  # 2 prefix tokens + 445 + EOT = 448 positions
+    assert transcriber.requests.can_align(job, window)  # 2 prefix tokens + 445 + EOT = 448 positions

@@ -14,7 +14,7 @@ from encdec_engine.entrypoints.writers import (
     render,
     write_transcription,
 )
-from encdec_engine.outputs import Segment, Transcription, Word
+from encdec_engine.speech.results import Segment, Transcription, Word
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.inputs.prompts import PromptType
@@ -188,20 +188,6 @@ class AsyncLLMEngine:
             self._active.difference_update(request_ids)
             if unfinished:
                 self._commands.put(("abort", list(unfinished)))
-
-    async def run_transcription(self, transcriber: Any, job: Any, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Run one transcription job window by window (`transcription.Transcriber`: `next_request`
-        gives a window's request, `take` folds its finished output into the job and says whether
-        another request is needed). Yields every output of every window's request; once the loop
-        ends, `transcriber.result(job)` is the transcript. Other requests share the batches."""
-        for attempt in itertools.count():
-            prompt, params = transcriber.next_request(job)
-            final = None
-            async for out in self.generate(prompt, params, f"{request_id}-{attempt}"):
-                final = out
-                yield out
-            if not transcriber.take(job, final):
-                return
 
     def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
         """Run `fn(engine)` on the engine thread between steps (from any thread); the future holds its result."""

@@ -42,7 +42,7 @@ def _llm(args):
 def cmd_transcribe(args) -> int:
     from encdec_engine.entrypoints.writers import OUTPUT_FORMATS, output_basename, render, write_transcription
 
-    from encdec_engine.transcribe_options import TranscribeOptions
+    from encdec_engine.speech.options import TranscribeOptions
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")

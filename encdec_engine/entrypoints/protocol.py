@@ -14,9 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from encdec_engine.outputs import RequestOutput, Transcription
+from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.inputs.audio import FRAMES_PER_SECOND
+from encdec_engine.speech.audio import FRAMES_PER_SECOND
+from encdec_engine.speech.results import Transcription
 
 MAX_PROMPTS = 256  # prompts in one completion request
 MAX_N = 16  # completions per prompt

@@ -21,9 +21,11 @@ from encdec_engine.entrypoints.server_errors import APIError, engine_error
 from encdec_engine.entrypoints.server_gate import Ticket
 from encdec_engine.entrypoints.server_state import ServerState, SSEResponse, sse, sse_error, state_of, until_disconnect
 from encdec_engine.entrypoints.writers import render
-from encdec_engine.inputs.audio import AUDIO_EXTENSIONS, N_FRAMES, SAMPLE_RATE, AudioError, load_audio, load_audio_bytes
-from encdec_engine.outputs import Transcription
-from encdec_engine.transcription import Transcriber, TranscribeOptions
+from encdec_engine.speech.audio import AUDIO_EXTENSIONS, N_FRAMES, SAMPLE_RATE, AudioError, load_audio, load_audio_bytes
+from encdec_engine.speech.async_driver import transcribe_async
+from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.results import Transcription
+from encdec_engine.speech.transcriber import Transcriber
 
 # Containers libsndfile cannot read from memory; decoded through a temporary file and ffmpeg.
 _FFMPEG_ONLY = AUDIO_EXTENSIONS - {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".au"}
@@ -77,32 +79,10 @@ async def _audio_request(request: Request, task: str) -> Response:
             handed_over = True
             return SSEResponse(_transcript_events(st, transcriber, job, request_id, ticket), None, ticket)
 
-        async def run_part(part, part_request_id: str) -> None:
-            started = False
-            async for _ in st.engine.run_transcription(transcriber, part, part_request_id):
-                if not started:  # its slot in the queue is free once it runs
-                    ticket.release()
-                    started = True
-
         async def run() -> Transcription:
-            if options.chunked and transcriber.detects_language(job):  # once for the whole upload
-                final = None
-                async for final in st.engine.generate(*transcriber.next_request(job), f"{request_id}-language"):
-                    pass
-                transcriber.take(job, final)
-            parts = transcriber.split(job)  # chunked: every chunk at once; else the job itself
-            if len(parts) == 1:
-                await run_part(job, request_id)
-                return transcriber.result(job)
-            ticket.add(len(parts) - 1)  # each chunk is an engine request waiting to start
-            tasks = [asyncio.ensure_future(run_part(part, f"{request_id}-part{i}")) for i, part in enumerate(parts)]
-            try:
-                await asyncio.gather(*tasks)
-            finally:  # one failed or the client left: stop the others (their requests are aborted)
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            return transcriber.result(transcriber.merge(job, parts))
+            async for _ in transcribe_async(st.engine, transcriber, job, request_id, ticket):
+                pass
+            return transcriber.result(job)
 
         result = await until_disconnect(request, run())
     except Exception as e:
@@ -166,8 +146,6 @@ def _load_job(transcriber: Transcriber, data: bytes, name: str, max_seconds: flo
     job = transcriber.load(0, (samples, SAMPLE_RATE))
     if job.error is not None:
         raise APIError(400, f"cannot use the uploaded audio: {job.error}", "file")
-    if job.language is None and not transcriber.tokens.is_multilingual:
-        job.language = "en"  # nothing to detect (and Transcriber.take would take the window for a detection)
     return job
 
 
@@ -196,10 +174,6 @@ def _too_long(seconds: float, limit: float) -> APIError:
     return APIError(413, f"audio is {seconds:.1f} s long; this server accepts at most {limit:g} s", "file")
 
 
-def _window_text(transcriber: Transcriber, token_ids: list[int]) -> str:
-    return transcriber.tokenizer.decode([t for t in token_ids if t < transcriber.tokens.eot])
-
-
 async def _transcript_events(st: ServerState, transcriber: Transcriber, job, request_id: str,
                              ticket: Ticket) -> AsyncIterator[str]:
     """`transcript.text.delta` events as tokens are decoded, then `transcript.text.done`.
@@ -208,10 +182,9 @@ async def _transcript_events(st: ServerState, transcriber: Transcriber, job, req
     token decoded is final and can be sent at once (windows of long audio follow each other)."""
     sent, prompt_tokens, output_tokens, windows = "", 0, 0, 0
     try:
-        async for out in st.engine.run_transcription(transcriber, job, request_id):
-            ticket.release()
+        async for out in transcribe_async(st.engine, transcriber, job, request_id, ticket):
             committed = "".join(s.text for s in job.segments)
-            text = (committed + _window_text(transcriber, out.outputs[0].token_ids)).lstrip().rstrip("\ufffd")
+            text = (committed + transcriber.assembler.text(out.outputs[0].token_ids)).lstrip().rstrip("\ufffd")
             if len(text) > len(sent) and text.startswith(sent):
                 yield sse(P.TranscriptDelta(delta=text[len(sent):]))
                 sent = text

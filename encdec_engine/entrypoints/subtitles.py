@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
-from encdec_engine.outputs import Segment, Transcription, Word
+from encdec_engine.speech.results import Segment, Transcription, Word
 
 LONG_PAUSE = 3.0  # seconds between two word starts that end a flowing cue (openai-whisper's rule)
 NO_LINE_WIDTH = 1000  # characters: the line width openai-whisper uses when none is given

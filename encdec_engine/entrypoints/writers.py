@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from encdec_engine.entrypoints.subtitles import SubtitleOptions, check_words, subtitle_cues
-from encdec_engine.outputs import Segment, Transcription
+from encdec_engine.speech.results import Segment, Transcription
 
 OUTPUT_FORMATS: tuple[str, ...] = ("txt", "vtt", "srt", "tsv", "json")
 ALL_FORMATS = "all"  # the CLI's --output-format value for "every format"

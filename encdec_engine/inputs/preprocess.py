@@ -88,8 +88,8 @@ class InputProcessor:
     def _audio_encoder_sequence(self, prompt: ParsedSingleton) -> EncoderSequence:
         import torch
 
-        from encdec_engine.inputs.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
-        from encdec_engine.inputs.audio_features import log_mel_spectrogram
+        from encdec_engine.speech.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
+        from encdec_engine.speech.features import log_mel_spectrogram
 
         mm = prompt.multi_modal_data or {}
         if prompt.text or prompt.token_ids:

@@ -17,6 +17,7 @@ CHUNK_LENGTH = 30  # s, the fixed Whisper input window
 N_SAMPLES = CHUNK_LENGTH * SAMPLE_RATE  # 480000 samples in a 30 s window
 N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 frames in a 30 s mel
 FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # 100 mel frames per second
+INPUT_STRIDE = 2  # mel frames per encoder position (Whisper's second conv has stride 2)
 
 # Extensions we expect to decode; anything else is reported as unsupported, not corrupt.
 AUDIO_EXTENSIONS = frozenset(
@@ -165,3 +166,12 @@ def load_audio_bytes(data: bytes, name: str = "<bytes>") -> np.ndarray:
     buffer = io.BytesIO(data)
     buffer.name = name  # so errors name the upload
     return load_audio(buffer)
+
+
+def audio_inputs(audio) -> list:
+    """One input (a path, file bytes, a 1-D array or tensor, a (samples, rate) pair) or a sequence of
+    them -> a list."""
+    one = (isinstance(audio, (str, Path, bytes, bytearray))
+           or ((isinstance(audio, np.ndarray) or hasattr(audio, "detach")) and audio.ndim == 1)  # detach: a tensor
+           or (isinstance(audio, tuple) and len(audio) == 2 and not isinstance(audio[0], (str, Path))))
+    return [audio] if one else list(audio)

@@ -8,7 +8,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from encdec_engine.inputs.audio import HOP_LENGTH, N_FFT, N_SAMPLES, SAMPLE_RATE
+from encdec_engine.speech.audio import HOP_LENGTH, N_FFT, N_SAMPLES, SAMPLE_RATE
 
 SUPPORTED_N_MELS = (80, 128)  # 128 bins: large-v3 and later checkpoints
 

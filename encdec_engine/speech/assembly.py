@@ -1,0 +1,122 @@
+"""Result assembly: a window's tokens cut into timed segments, its words timed and hallucinations
+cut, the segments kept committed to the job, and the job (or its chunks, in order) made into a
+`Transcription`."""
+
+from __future__ import annotations
+
+import math
+
+from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens
+from encdec_engine.outputs import RequestOutput
+from encdec_engine.speech.audio import FRAMES_PER_SECOND, INPUT_STRIDE
+from encdec_engine.speech.fallback import WindowQuality, compression_ratio
+from encdec_engine.speech.hallucinations import cut_hallucinations
+from encdec_engine.speech.job import DecodedWindow, TranscriptionJob
+from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.results import Segment, Transcription
+from encdec_engine.speech.word_timestamps import add_word_timestamps, find_alignment, last_word_end, speech_end
+
+
+class ResultAssembler:
+    """Turns finished window requests into a job's segments, and a job into its Transcription."""
+
+    def __init__(self, options: TranscribeOptions, tokens: WhisperTokens, tokenizer) -> None:
+        self.options = options
+        self.tokens = tokens
+        self.tokenizer = tokenizer
+
+    def text(self, token_ids: list[int]) -> str:
+        """The text of tokens, timestamps and special tokens left out."""
+        return self.tokenizer.decode([t for t in token_ids if t < self.tokens.eot])
+
+    def quality(self, out: RequestOutput) -> WindowQuality:
+        """What the fallback rules judge a decode request's window by."""
+        completion = out.outputs[0]
+        avg_logprob = (completion.cumulative_logprob or 0.0) / max(1, len(completion.token_ids))
+        text = self.text([t for t in completion.token_ids if t != self.tokens.eot])
+        return WindowQuality(avg_logprob, compression_ratio(text), out.no_speech_prob)  # every decode asks for it
+
+    def decoded_window(self, job: TranscriptionJob, out: RequestOutput, window_frames: int, temperature: float,
+                       quality: WindowQuality) -> DecodedWindow:
+        """Cut the window's tokens into segments at consecutive timestamp tokens (openai-whisper).
+        window_frames: mel frames of audio in the window."""
+        tokens = [t for t in out.outputs[0].token_ids if t != self.tokens.eot]
+        begin = self.tokens.timestamp_begin
+        offset = job.seek / FRAMES_PER_SECOND
+        is_ts = [t >= begin for t in tokens]
+        cuts = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]
+        single_ending = len(tokens) >= 2 and not is_ts[-2] and is_ts[-1]
+        pieces = []  # (tokens, start, end in seconds)
+        seek = job.seek + window_frames
+        if cuts:
+            if single_ending:
+                cuts.append(len(tokens))
+            last = 0
+            for cut in cuts:
+                piece = tokens[last:cut]
+                pieces.append((piece, offset + (piece[0] - begin) * TIME_PRECISION,
+                               offset + (piece[-1] - begin) * TIME_PRECISION))
+                last = cut
+            if job.long_form and not single_ending:
+                seek = job.seek + (tokens[last - 1] - begin) * INPUT_STRIDE
+        else:
+            duration = window_frames / FRAMES_PER_SECOND
+            stamps = [t for t in tokens if t >= begin]
+            if stamps and stamps[-1] != begin:
+                duration = (stamps[-1] - begin) * TIME_PRECISION
+            pieces.append((tokens, offset, offset + duration))
+        segments = [Segment(0, round(start, 3), round(end, 3), self.text(piece), piece, temperature,
+                            quality.avg_logprob, quality.compression_ratio, quality.no_speech_prob)
+                    for piece, start, end in pieces]
+        return DecodedWindow(segments, seek, offset, window_frames, single_ending, temperature)
+
+    def align(self, job: TranscriptionJob, window: DecodedWindow, out: RequestOutput,
+              prefix_len: int) -> DecodedWindow | None:
+        """Give the window's segments their words from the alignment request's output (its prompt
+        ran prefix_len tokens before the text), seek to the last word, and apply the hallucination
+        rules. None: the window is dropped as if never decoded, and `job.seek` is where to go on."""
+        text = window.text_tokens(self.tokens.eot)
+        probs = [math.exp(out.prompt_logprobs[prefix_len + k][t]) for k, t in enumerate(text)]
+        alignment = find_alignment(out.cross_attentions, probs, text, prefix_len, window.num_frames,
+                                   self.tokenizer, self.tokens.eot, job.language)
+        add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset, job.last_speech)
+        end = last_word_end(window.segments)
+        if job.long_form and not window.single_ending and end is not None and end > window.offset:
+            window.seek = round(end * FRAMES_PER_SECOND)  # openai-whisper: seek to the last word's end
+        threshold = self.options.hallucination_silence_threshold
+        if threshold is not None:
+            cut = cut_hallucinations(window.segments, threshold, job.seek, window.num_frames, window.single_ending,
+                                     job.last_speech, job.num_frames)
+            if cut.discard:  # as if never decoded: no segments, the last speech stays
+                job.seek = cut.seek
+                return None
+            del window.segments[cut.keep :]
+            if cut.seek is not None:
+                window.seek = cut.seek
+        return window
+
+    def commit(self, job: TranscriptionJob, window: DecodedWindow) -> None:
+        """Keep the window's segments and move `seek` past it. As openai-whisper and faster-whisper:
+        an instantaneous or empty segment is dropped, and only kept segments' tokens condition the
+        next window."""
+        for seg in window.segments:
+            if seg.text.strip() and seg.start != seg.end:
+                seg.id = len(job.segments)
+                job.segments.append(seg)
+                job.tokens.extend(seg.tokens)
+        job.seek = window.seek
+        if window.temperature > 0.5:
+            job.prompt_reset = len(job.tokens)
+        if self.options.word_timestamps and window.segments:  # the last speech: its last word, or segment
+            job.last_speech = speech_end(window.segments)
+
+    def result(self, job: TranscriptionJob) -> Transcription:
+        """The input's transcript: its segments, or its chunks' segments in order (renumbered)."""
+        if job.error is not None:
+            return Transcription("", None, [], 0.0, job.source, error=job.error)
+        if job.parts:
+            job.segments = [seg for part in job.parts for seg in part.segments]
+            for i, seg in enumerate(job.segments):
+                seg.id = i
+        text = "".join(s.text for s in job.segments)
+        return Transcription(text, job.language or "en", job.segments, round(job.duration, 3), job.source)
