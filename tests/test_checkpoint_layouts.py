@@ -25,9 +25,9 @@ from transformers import (AutoTokenizer, BartForConditionalGeneration, Generatio
                           LlamaForCausalLM, WhisperForConditionalGeneration)
 
 from encdec_engine import SamplingParams
-from encdec_engine.inputs.audio import load_audio
-from encdec_engine.inputs.audio_features import log_mel_spectrogram
-from encdec_engine.layers.whisper_timestamps import timestamp_rules_from_generation_config
+from encdec_engine.speech.audio import load_audio
+from encdec_engine.speech.features import log_mel_spectrogram
+from encdec_engine.speech.timestamp_rules import timestamp_rules_from_generation_config
 
 AUDIO = ROOT / "prompts" / "audio"
 CLIPS = ["fox.wav", "coffee.wav"]

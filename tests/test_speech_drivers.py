@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from helpers import record_requests
+from helpers import make_whisper, record_requests
 
 from encdec_engine.engine.async_engine import AsyncLLMEngine
 from encdec_engine.speech.async_driver import transcribe_async
@@ -36,9 +36,7 @@ class Slots:
 
 
 def whisper(tmp_path, make_llm, multilingual: bool):
-    from test_whisper import make_whisper
-
-    return make_llm(make_whisper(tmp_path / "w", 80, multilingual=multilingual, seed=3))
+    return make_llm(make_whisper(tmp_path / "w", "tiny-80", multilingual=multilingual, seed=3))
 
 
 def run_async(engine, options: TranscribeOptions, audio):
