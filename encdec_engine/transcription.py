@@ -313,6 +313,8 @@ class Transcriber:
     # -- interpreting a window -----------------------------------------------
     def take(self, job: TranscriptionJob, out: RequestOutput) -> bool:
         """Take the finished request of the job's window; True if the job needs another request."""
+        if out.error is not None:  # the request failed in the engine: its tokens are no window's decode
+            raise RuntimeError(f"transcribing input {job.index} failed: {out.error}")
         if job.pending is not None:
             return self._take_alignment(job, out)
         completion = out.outputs[0]
