@@ -24,6 +24,7 @@ MAX_LOGPROBS = 20  # logprobs and prompt_logprobs top-k (vLLM's default max_logp
 MAX_LOGITS_PROCESSORS = 64
 MAX_CROSS_ATTENTION_HEADS = 4096  # (layer, head) pairs; the model's own layers x heads bound them further
 MAX_SEED = 2**64 - 1  # a generator's seed is an unsigned 64-bit integer
+MAX_LENGTH_PENALTY = 10.0  # beam search divides by length ** length_penalty (HF's usual values: 0.6 to 2)
 _INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "no_repeat_ngram_size", "logprobs",
                "prompt_logprobs",
                "truncate_prompt_tokens", "num_beams", "forced_bos_token_id", "forced_eos_token_id",
@@ -192,6 +193,9 @@ class SamplingParams:
             fail("truncate_prompt_tokens", "must be at least 1")
         if self.num_beams < 1:
             fail("num_beams", "must be at least 1")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            fail("length_penalty", f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] (length ** penalty "
+                                   "overflows beyond)")
         if self.num_beams > 1:
             if self.n > self.num_beams:
                 fail("n", f"must be <= num_beams ({self.num_beams}) in beam search")

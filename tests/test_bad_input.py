@@ -50,7 +50,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
         (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
         (dict(min_tokens=9, max_tokens=3), "min_tokens"), (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(logprobs=-1), "logprobs"), (dict(n=3, best_of=2), "best_of"), (dict(seed=-3), "seed"),
-        (dict(early_stopping="sometimes"), "early_stopping"),
+        (dict(early_stopping="sometimes"), "early_stopping"), (dict(length_penalty=400.0), "length_penalty"),
     ],
 )
 def test_invalid_sampling_params(kwargs, field):

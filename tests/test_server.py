@@ -597,6 +597,28 @@ def test_async_engine_failures_stay_with_their_callers(bart_path):
     assert not engine.has_unfinished_requests() and engine.num_free_blocks() == engine.num_total_blocks()
 
 
+def test_requests_are_prepared_off_the_event_loop_and_the_engine_thread(bart_path, make_llm, monkeypatch):
+    """Tokenizing, resolving bad words and building sampler state run in the input workers."""
+    engine = make_llm(bart_path, num_kv_blocks=64).engine
+    threads = []
+    process = engine.process_request
+
+    def recording(prompt, params):
+        threads.append(threading.current_thread().name)
+        return process(prompt, params)
+
+    monkeypatch.setattr(engine, "process_request", recording)
+
+    async def main():
+        async_engine = AsyncLLMEngine(engine)
+        outs = [o async for o in async_engine.generate("A document.", SamplingParams(max_tokens=2), "r")]
+        await async_engine.shutdown()
+        return outs[-1]
+
+    assert asyncio.run(main()).finished
+    assert len(threads) == 1 and threads[0].startswith("encdec-inputs")
+
+
 def test_graceful_shutdown_finishes_in_flight_requests(bart_path):
     server = LiveServer(build_app(str(bart_path), num_kv_blocks=64), shutdown_timeout=10)
     release = pause_after_first_output(server)
