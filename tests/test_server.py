@@ -342,6 +342,7 @@ BAD_COMPLETIONS = [
     ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "not valid JSON"),
     ({"json": {"model": "bart"}}, 400, "prompt: Field required"),
     ({"json": {"prompt": "x", "max_tokens": "ten"}}, 400, "max_tokens"),
+    ({"json": {"prompt": "x", "truncate_prompt_tokens": "8"}}, 400, "truncate_prompt_tokens: Input should be a valid integer"),
     ({"json": {"prompt": "x", "temperature": -1}}, 400, "temperature"),
     ({"json": {"prompt": "x", "n": 0}}, 400, "n:"),
     ({"json": {"prompt": "x", "echo": True}}, 400, "echo"),

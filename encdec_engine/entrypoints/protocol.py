@@ -72,7 +72,7 @@ def _is_type_tag(part) -> bool:
 
 # -- completions ------------------------------------------------------------
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False  # a last chunk with `usage` and no choices
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far too
 
@@ -151,9 +151,10 @@ LogitBias = Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS), 
 
 
 class CompletionRequest(BaseModel):
-    """`POST /v1/completions`. For an encoder/decoder model the prompt is the encoder prompt."""
+    """`POST /v1/completions`. For an encoder/decoder model the prompt is the encoder prompt. Strict, as
+    JSON is typed: "16" is not an integer (the OpenAPI document says which types each field takes)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt: Annotated[Any, WithJsonSchema(_prompt_json_schema())]
