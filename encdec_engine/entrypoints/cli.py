@@ -126,8 +126,11 @@ def cmd_generate(args) -> int:
             c = out.outputs[0]
             record = {"request_id": out.request_id, "text": c.text, "token_ids": c.token_ids,
                       "finish_reason": c.finish_reason}
+            if out.error is not None:  # it failed alone; the others ran to the end
+                record["error"] = out.error
+                print(f"error: prompt {out.request_id} failed: {out.error}", file=sys.stderr)
             sink.write(json.dumps(record) + "\n")
-    return 0
+    return 1 if any(out.error is not None for out in outs) else 0
 
 
 def cmd_summarize(args) -> int:
