@@ -128,9 +128,10 @@ class Gate:
         try:
             headers = dict(scope["headers"])
             error = None
+            guarded = path.startswith("/v1") or (limits.protects_info and path in INFO_PATHS)
             if limits.protects_info and path in INFO_PATHS and limits.api_key is None:
                 error = APIError(404, f"{path} is not served here (--protect-info without an API key)")
-            elif limits.api_key is not None and (path.startswith("/v1") or (limits.protects_info and path in INFO_PATHS)):
+            elif limits.api_key is not None and guarded:
                 error = _check_api_key(headers.get(b"authorization"), limits.api_key)
             length = headers.get(b"content-length", b"")
             if error is None and length.isdigit() and int(length) > limits.max_body_bytes:
