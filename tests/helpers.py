@@ -198,18 +198,18 @@ def norm(text: str) -> str:
     return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
 
 
-def record_requests(engine, monkeypatch) -> list[tuple[str, dict, object]]:
-    """Every (request_id, prompt, params) added to `engine` from now until monkeypatch.undo()."""
+def record_requests(engine, monkeypatch) -> list[tuple[None, dict, object]]:
+    """Every (None, prompt, params) prepared by `engine` from now until monkeypatch.undo(): the offline
+    `add_request` and the async engine's `process_request` both go through `process_request`."""
     added = []
-    add = engine.add_request
+    process = engine.process_request
 
-    def recording_add(request_id, prompt, params=None, *args):
-        added.append((request_id, prompt, params))
-        return add(request_id, prompt, params, *args)
+    def recording_process(prompt, params=None):
+        added.append((None, prompt, params))
+        return process(prompt, params)
 
-    monkeypatch.setattr(engine, "add_request", recording_add)
+    monkeypatch.setattr(engine, "process_request", recording_process)
     return added
-
 
 
 class MissingOneToken:
