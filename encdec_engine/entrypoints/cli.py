@@ -164,7 +164,8 @@ def cmd_serve(args) -> int:
         model = str(import_ct2_whisper(model, Path(model) / ".encdec-hf"))
     limits = ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
                           max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
-                          max_audio_seconds=args.max_audio_seconds, protect_info=args.protect_info)
+                          max_audio_seconds=args.max_audio_seconds, max_audio_memory_mb=args.max_audio_memory_mb,
+                          protect_info=args.protect_info)
     engine = dict(_engine_kwargs(args), swap_space_gb=args.swap_space_gb,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
@@ -193,6 +194,9 @@ def _add_serve_parser(sub) -> None:
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting to start; beyond: 429")
     sv.add_argument("--max-upload-mb", type=float, default=25.0, help="request body limit; beyond: 413")
     sv.add_argument("--max-audio-seconds", type=float, default=3600.0, help="audio length limit; beyond: 413")
+    sv.add_argument("--max-audio-memory-mb", type=float, default=4096.0,
+                    help="memory for the audio of transcriptions in flight (uploads, samples, log-mels: about "
+                         "350 MB per hour of audio), held from upload to the job's end; beyond: 429")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
