@@ -11,7 +11,7 @@ import torch
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
-from encdec_engine.layers.linear import pack_linears
+from encdec_engine.layers.cpu_kernels import prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.weights import iter_checkpoint
 
@@ -90,7 +90,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         buf.zero_()
     model.load_weights(iter_checkpoint(path))
     model = model.to(device=device, dtype=dtype).eval()
-    pack_linears(model)  # CPU fp32: oneDNN's packed layout, about 2x MKL's speed (layers/linear.py)
+    prepare_cpu_linears(model, config.quantization)  # the machine's fp32 or int8 kernels (layers/cpu_kernels.py)
 
     eos = hf_config.eos_token_id
     if isinstance(eos, list):
