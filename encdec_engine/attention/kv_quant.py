@@ -17,7 +17,10 @@ content: copy-on-write, swapping and prefix caching move them with the block unc
 
 For tiny.en (head_dim 64, G = 32) a row is 72 bytes against 256 in float32: 3.56x the tokens
 in the same memory. Quantization happens where K/V are stored (`store_kv`, the Triton store
-kernel); decode attention dequantizes the context it reads.
+kernel); attention dequantizes the context it reads. A prefill that stores K/V also attends to
+them as stored (`as_stored`), not to the fresh values: a sequence then sees the same keys whether
+they come from this step or from the cache (a prefix hit, an encoder output reused, the batch
+beside it), so caching and batching leave its tokens unchanged, as with a float cache.
 """
 
 from __future__ import annotations
@@ -88,6 +91,14 @@ def read_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Te
     if rows.dtype == torch.int8:
         return dequantize_kv(rows, head_dim, dtype)
     return rows
+
+
+def as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Values [..., head_dim] as a cache of `cache_dtype` gives them back (x itself for float caches,
+    whose reads are cast to the query's dtype anyway)."""
+    if cache_dtype != torch.int8:
+        return x
+    return dequantize_kv(quantize_kv(x), x.shape[-1], x.dtype)
 
 
 def write_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

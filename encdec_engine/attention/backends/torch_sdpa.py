@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from encdec_engine.attention.backends.base import store_kv
-from encdec_engine.attention.kv_quant import read_rows
+from encdec_engine.attention.kv_quant import as_stored, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
 _SLICE_MIN_KEYS = 128  # below this, one padded gather beats a loop over sequences
@@ -87,6 +87,8 @@ class TorchSDPABackend:
     def forward(self, query, key, value, kv_cache, view: AttentionView, scale: float) -> torch.Tensor:
         if key is not None and view.slot_mapping is not None and kv_cache is not None:
             store_kv(key, value, kv_cache, view.slot_mapping)
+            if not view.reads_cache:  # attend to the K/V as the cache holds them (int8: rounded)
+                key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
         if view.reads_cache:
             return self._attend_cache(query, kv_cache, view, scale)
         return self._attend_fresh(query, key, value, view, scale)

@@ -29,7 +29,7 @@ import torch
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend, plan_gather
 from encdec_engine.attention.backends.xformers_masks import prefill_attn_bias
-from encdec_engine.attention.kv_quant import read_rows
+from encdec_engine.attention.kv_quant import as_stored, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,8 @@ class XFormersBackend:
             return self._torch.forward(query, key, value, kv_cache, replace(view, plan=None), scale)
         if key is not None and view.slot_mapping is not None and kv_cache is not None:
             self._store_kv(key, value, kv_cache, view.slot_mapping)
+            if not view.reads_cache:  # attend to the K/V as the cache holds them (int8: rounded)
+                key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
         plan = view.plan if isinstance(view.plan, _ViewPlan) else self._plan_view(view)
         if view.reads_cache and view.max_query_len == 1:
             if query.dtype not in _DECODE_DTYPES or kv_cache.dtype not in _DECODE_CACHE_DTYPES:
