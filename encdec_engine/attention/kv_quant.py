@@ -15,7 +15,7 @@ content: copy-on-write, swapping and prefix caching move them with the block unc
 
     kv_cache[layer]: [2, num_blocks + 1, block_size, num_kv_heads, row_bytes]  int8
 
-For tiny.en (head_dim 64, G = 32) a row is 72 bytes against 256 in float32: 3.56x the tokens
+For tiny.en (head_dim 64, G = 64) a row is 68 bytes against 256 in float32: 3.76x the tokens
 in the same memory. Quantization happens where K/V are stored (`store_kv`, the Triton store
 kernel); attention dequantizes the context it reads. A prefill that stores K/V also attends to
 them as stored (`as_stored`), not to the fresh values: a sequence then sees the same keys whether
@@ -28,7 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-KV_QUANT_GROUP = 32  # head-dim values that share one scale
+# Head-dim values that share one scale: a whole head of 64 (Whisper, BART): one scale per row,
+# which decode folds into the scores instead of multiplying it out (attend_int8_rows).
+KV_QUANT_GROUP = 64
 KV_INT8_MAX = 127
 _SCALE_BYTES = 4  # float32
 
@@ -72,17 +74,19 @@ def quantize_kv(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_kv(rows: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Packed int8 rows [..., row_width] -> [..., head_dim] of `dtype`."""
+    """Packed int8 rows [..., row_width] -> [..., head_dim] of `dtype` (contiguous)."""
     offset, groups = scale_offset(head_dim), num_groups(head_dim)
     scale = rows[..., offset : offset + _SCALE_BYTES * groups]
     if scale.stride(-1) != 1 or any(s % _SCALE_BYTES for s in scale.stride()[:-1]):
         scale = scale.contiguous()
     scale = scale.view(torch.float32)  # [..., groups]
-    values = rows[..., :head_dim].to(torch.float32)
+    # A fresh contiguous copy scaled in place: an out-of-place product would take its layout
+    # from the strided scales, and a later matmul over it would crawl.
+    out = rows[..., :head_dim].to(torch.float32, memory_format=torch.contiguous_format)
     if head_dim == groups * KV_QUANT_GROUP:
-        out = (values.unflatten(-1, (groups, KV_QUANT_GROUP)) * scale[..., None]).flatten(-2)
+        out.unflatten(-1, (groups, KV_QUANT_GROUP)).mul_(scale.unsqueeze(-1))
     else:  # a partial last group
-        out = values * scale.repeat_interleave(KV_QUANT_GROUP, dim=-1)[..., :head_dim]
+        out.mul_(scale.repeat_interleave(KV_QUANT_GROUP, dim=-1)[..., :head_dim])
     return out.to(dtype)
 
 
@@ -91,6 +95,28 @@ def read_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Te
     if rows.dtype == torch.int8:
         return dequantize_kv(rows, head_dim, dtype)
     return rows
+
+
+def attend_int8_rows(
+    query: torch.Tensor,  # [num_heads, head_dim] float32, one token
+    keys: torch.Tensor,  # [L, num_kv_heads, row_width] int8 rows with one scale each
+    values: torch.Tensor,  # [L, num_kv_heads, row_width]
+    scale: float,
+) -> torch.Tensor:  # [num_heads, head_dim]
+    """softmax(q k^T * scale) v over int8 rows whose head has one group: a row's scale multiplies its
+    score (K) and its probability (V), so the int8 values are only converted, never scaled out:
+    two conversions and two batched matmuls over the kv heads, plus [heads, L] products."""
+    num_heads, head_dim = query.shape
+    length, num_kv_heads, _ = keys.shape
+    offset, group = scale_offset(head_dim), num_heads // num_kv_heads
+    k_scale = keys[..., offset : offset + _SCALE_BYTES].view(torch.float32)[..., 0].t()  # [Hkv, L]
+    v_scale = values[..., offset : offset + _SCALE_BYTES].view(torch.float32)[..., 0].t()
+    k = keys[..., :head_dim].to(torch.float32, memory_format=torch.contiguous_format)  # [L, Hkv, D]
+    q = query.view(num_kv_heads, group, head_dim) * scale
+    scores = torch.bmm(q, k.permute(1, 2, 0)) * k_scale[:, None, :]  # [Hkv, G, L]
+    probs = torch.softmax(scores, dim=-1) * v_scale[:, None, :]
+    v = values[..., :head_dim].to(torch.float32, memory_format=torch.contiguous_format)
+    return torch.bmm(probs, v.transpose(0, 1)).view(num_heads, head_dim)
 
 
 def as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

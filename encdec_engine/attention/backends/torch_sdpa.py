@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from encdec_engine.attention.backends.base import store_kv
-from encdec_engine.attention.kv_quant import as_stored, read_rows
+from encdec_engine.attention.kv_quant import as_stored, attend_int8_rows, num_groups, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
 _SLICE_MIN_KEYS = 128  # below this, one padded gather beats a loop over sequences
@@ -165,14 +165,20 @@ class TorchSDPABackend:
         """One query per sequence against its contiguous run of slots. In fp32, two batched matmuls over
         the kv heads: SDPA would copy the strided [L, H, D] -> [H, L, D] views first (4x slower for a
         1,500-key cross read). Half precision keeps SDPA, which accumulates the softmax in fp32.
-        An int8 cache is dequantized (to the query's dtype) one context at a time."""
+        An int8 cache with one scale per row is read with its scales applied to the scores and
+        probabilities (`attend_int8_rows`); other int8 rows are dequantized one context at a time."""
         _, _, _, num_kv_heads, width = kv_cache.shape
         head_dim = query.shape[-1]
         keys = kv_cache[0].view(-1, num_kv_heads, width)
         values = kv_cache[1].view(-1, num_kv_heads, width)
         group = query.shape[1] // num_kv_heads  # query heads per kv head
         out = torch.empty_like(query)
+        fold_scales = kv_cache.dtype == torch.int8 and query.dtype == torch.float32 and num_groups(head_dim) == 1
         for i, (start, key_len) in enumerate(zip(plan.starts, view.key_lens_list)):
+            if fold_scales:
+                out[i] = attend_int8_rows(query[i], keys[start : start + key_len], values[start : start + key_len],
+                                          scale)
+                continue
             k = read_rows(keys[start : start + key_len], head_dim, query.dtype)  # [L, Hkv, D]
             v = read_rows(values[start : start + key_len], head_dim, query.dtype)
             if k.dtype != torch.float32:
