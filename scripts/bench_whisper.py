@@ -194,7 +194,8 @@ def systems(args) -> list[System]:
 
     hf_dir = str(default_model_path())
     me = sys.executable
-    rows = [System("engine fp32", "engine", me, hf_dir), System("engine int8", "engine", me, hf_dir, {"quantization": "int8"})]
+    rows = [System("engine fp32", "engine", me, hf_dir),
+            System("engine int8", "engine", me, hf_dir, {"quantization": "int8"})]
     if args.kv_int8:
         rows.append(System("engine int8 + int8 KV", "engine", me, hf_dir,
                            {"quantization": "int8", "kv_cache_dtype": "int8"}))

@@ -146,7 +146,8 @@ def main() -> int:
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             llm.transcribe([audio[: 16000 * 25]])
-        print(f"\ntorch.profiler, the first 25 s as one window (prefill + its decode steps), top {args.ops} ops by self CPU:")
+        print(f"\ntorch.profiler, the first 25 s as one window (prefill + its decode steps), "
+              f"top {args.ops} ops by self CPU:")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
     return 0
 

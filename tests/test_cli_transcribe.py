@@ -71,7 +71,8 @@ def test_transcribe_prints_text_with_the_default_model():
 def test_int8_weights_and_cache_from_the_command_line():
     """faster-whisper's --compute-type int8 spelling and --kv-cache-dtype int8; a compute type the engine
     does not run is refused with a message naming it."""
-    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet", "--compute-type", "int8", "--kv-cache-dtype", "int8")
+    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet", "--compute-type", "int8",
+               "--kv-cache-dtype", "int8")
     assert r.returncode == 0, r.stderr
     assert "beautiful day to go for a walk in the park" in r.stdout
     r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet", "--compute-type", "int16")

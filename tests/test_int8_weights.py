@@ -11,9 +11,10 @@ import jiwer
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import norm
+from helpers import mixed_prompts, norm
 from torch import nn
 
+from encdec_engine import SamplingParams
 from encdec_engine.config import EngineConfig
 from encdec_engine.layers import cpu_kernels
 from encdec_engine.layers.cpu_kernels import CpuLinearPlan, choose_fp32, choose_int8_decode
@@ -171,13 +172,15 @@ def test_ct2_int8_export_imports_without_a_second_rounding(tmp_path, make_llm):
     pairs = {"decoder.layers.1.self_attn.qkv_proj": "decoder/layer_1/self_attention/linear_0",
              "decoder.layers.1.encoder_attn.kv_proj": "decoder/layer_1/attention/linear_1",
              "decoder.layers.3.encoder_attn.out_proj": "decoder/layer_3/attention/linear_2",
-             "encoder.layers.0.fc1": "encoder/layer_0/ffn/linear_0", "encoder.layers.2.fc2": "encoder/layer_2/ffn/linear_1"}
+             "encoder.layers.0.fc1": "encoder/layer_0/ffn/linear_0",
+             "encoder.layers.2.fc2": "encoder/layer_2/ffn/linear_1"}
     modules = dict(model.named_modules())
     for ours, theirs in pairs.items():
         q, scale = modules[ours].weight_int8.int8_values()
         assert torch.equal(q, variables[f"{theirs}/weight"]), ours
         torch.testing.assert_close(scale, 1 / variables[f"{theirs}/weight_scale"], rtol=1e-6, atol=0)
-    assert sum(isinstance(m, Int8Linear) for m in modules.values()) == 4 * 4 + 4 * 7  # every linear: 4 per encoder layer, 7 per decoder layer
+    # every linear: 4 per encoder layer, 7 per decoder layer
+    assert sum(isinstance(m, Int8Linear) for m in modules.values()) == 4 * 4 + 4 * 7
     head = Int8Weight.quantize(model.decoder.embed_tokens.weight)  # the tied logits projection
     assert torch.equal(head.int8_values()[0], variables["decoder/projection/weight"])
 
@@ -202,3 +205,17 @@ def test_int8_weights_agree_with_fp32_on_the_clips(make_llm, fp32_results):
     assert sum(a == b for a, b in zip(got, ref)) >= 4
     assert sum(x == y for a, b in zip(got, ref) for x, y in zip(a, b)) >= 0.9 * sum(len(a) for a in ref)
     assert corpus_wer(results) <= corpus_wer(fp32_results) + 0.02
+
+
+@pytest.mark.parametrize("config", ["small", "odd_heads", "untied"])
+def test_every_bart_shape_runs_on_int8(config, bart_paths, make_llm):
+    """Tied and untied heads, odd head counts: every linear is int8, and a mixed batch runs to its
+    token budget within the vocabulary."""
+    llm = make_llm(bart_paths[config], num_kv_blocks=300, quantization="int8")
+    model = llm.engine.model
+    assert not [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) > 0
+    prompts = mixed_prompts(llm.get_tokenizer(), n=6, seed=9)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    vocab = llm.engine.input_processor.vocab_size
+    assert all(len(o.outputs[0].token_ids) == 8 and max(o.outputs[0].token_ids) < vocab for o in outs)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import make_view, mixed_prompts
+from helpers import naive_attention as naive
 
 from encdec_engine import SamplingParams
 from encdec_engine.attention.backends.base import store_kv
@@ -54,16 +55,6 @@ def test_row_width_and_how_many_more_tokens_fit():
     assert bytes_per_block(spec, 16, torch.int8) == 2 * 4 * 16 * 6 * 68
     report = KVPoolReport(spec=spec, block_size=16, dtype=torch.int8, num_blocks=100).describe()
     assert "int8 with a float32 scale per 64 dims: 3.76x the tokens of float32" in report
-
-
-def naive(q, k, v, scale, mask=None):
-    """q: [T, H, D], k/v: [Tk, Hkv, D] float64 reference."""
-    rep = q.shape[1] // k.shape[1]
-    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    scores = torch.einsum("thd,khd->htk", q, k) * scale
-    if mask is not None:
-        scores = scores + mask.double()
-    return torch.einsum("htk,khd->thd", scores.softmax(-1), v)
 
 
 def int8_paged(k_lens, num_kv_heads, head_dim, block_size, contiguous, seed):

@@ -35,6 +35,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from helpers import make_view  # noqa: E402
+from helpers import naive_attention as naive  # noqa: E402
 
 from encdec_engine.attention.backends.base import store_kv  # noqa: E402
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
@@ -62,16 +63,6 @@ def test_in_a_fresh_interpreter_process():
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert " passed" in summary and ", 1 skipped" in summary, summary  # only the fresh-process test skips
-
-
-def naive(q, k, v, scale, mask=None):
-    """q: [T, H, D], k/v: [Tk, Hkv, D], mask: [T, Tk] additive; fp64 for a clean reference."""
-    rep = q.shape[1] // k.shape[1]
-    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    scores = torch.einsum("thd,khd->htk", q, k) * scale
-    if mask is not None:
-        scores = scores + mask.double()
-    return torch.einsum("htk,khd->thd", scores.softmax(-1), v)
 
 
 def paged_cache(k_lens, num_kv_heads, head_dim, block_size, dtype, rng, spare_blocks=3):

@@ -90,7 +90,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         buf.zero_()
     model.load_weights(iter_checkpoint(path))
     model = model.to(device=device, dtype=dtype).eval()
-    prepare_cpu_linears(model, config.quantization)  # the machine's fp32 or int8 kernels (layers/cpu_kernels.py)
+    prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (layers/cpu_kernels.py)
 
     eos = hf_config.eos_token_id
     if isinstance(eos, list):
