@@ -219,3 +219,37 @@ def test_every_bart_shape_runs_on_int8(config, bart_paths, make_llm):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     vocab = llm.engine.input_processor.vocab_size
     assert all(len(o.outputs[0].token_ids) == 8 and max(o.outputs[0].token_ids) < vocab for o in outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints_are_quantized_once_at_load(dtype, bart_path, tmp_path, make_llm):
+    from transformers import BartForConditionalGeneration
+
+    half = BartForConditionalGeneration.from_pretrained(bart_path).to(dtype)
+    half.save_pretrained(tmp_path / "half")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json"):
+        if (bart_path / name).is_file():
+            (tmp_path / "half" / name).write_bytes((bart_path / name).read_bytes())
+    llm = make_llm(tmp_path / "half", num_kv_blocks=100, quantization="int8")
+    q, scale = llm.engine.model.encoder.layers[0].fc1.weight_int8.int8_values()
+    want_q, want_scale = quantize_per_channel(half.model.encoder.layers[0].fc1.weight.float())
+    assert torch.equal(q, want_q)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    out = llm.generate(["The river"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_every_command_takes_the_int8_flags():
+    """`serve`, `transcribe`, `generate` and `summarize` share the engine flags; faster-whisper's
+    --compute-type spelling maps onto them, and a contradiction is refused."""
+    from encdec_engine.entrypoints.cli import _engine_kwargs, build_parser
+
+    parse = build_parser().parse_args
+    for command in (["serve"], ["transcribe", "a.wav"], ["generate", "p.jsonl", "--model", "m"],
+                    ["summarize", "f.txt", "--model", "m"]):
+        kwargs = _engine_kwargs(parse(command + ["--compute-type", "int8", "--kv-cache-dtype", "int8"]))
+        assert (kwargs["quantization"], kwargs["kv_cache_dtype"], kwargs["dtype"]) == ("int8", "int8", "float32")
+    assert _engine_kwargs(parse(["serve", "--quantization", "int8"]))["quantization"] == "int8"
+    assert _engine_kwargs(parse(["serve", "--compute-type", "float32"]))["quantization"] is None
+    with pytest.raises(ValueError, match="contradicts"):
+        _engine_kwargs(parse(["serve", "--quantization", "int8", "--compute-type", "float32"]))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,18 +77,19 @@ def choose_int8_decode(capability: str, timings: dict[str, float]) -> str:
 
 
 def _time(fn: Callable[[], torch.Tensor], reps: int) -> float:
+    """The fastest of `reps` calls: other processes on the cores only ever add time."""
     fn()  # first call: allocation, kernel selection
-    samples = []
+    best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
         fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def calibrate(kernels: dict[str, Callable[[torch.Tensor, torch.Tensor], Callable]],
               probes: tuple = PROBES) -> dict[str, float]:
-    """Median seconds of each kernel on each probe: {"kernel/probe": s}. A kernel is
+    """Seconds of each kernel on each probe (its fastest call): {"kernel/probe": s}. A kernel is
     `prepare(weight, bias) -> fn(x)`; candidates alternate per probe, so a busy moment
     of the machine hurts them alike."""
     timings: dict[str, float] = {}
