@@ -50,10 +50,11 @@ class LLMEngine:
         self.max_decoder_len = min(config.max_model_len or loaded.max_decoder_len, loaded.max_decoder_len)
 
         spec, bs = self.model.kv_cache_spec, config.block_size
-        per_block = bytes_per_block(spec, bs, self.dtype)
+        self.kv_cache_dtype = config.torch_kv_cache_dtype  # int8: values + their scales (attention/kv_quant.py)
+        per_block = bytes_per_block(spec, bs, self.kv_cache_dtype)
         budget = config.max_num_batched_tokens or max(16384, loaded.max_encoder_len + self.max_decoder_len)
         self.kv_pool = size_kv_pool(
-            spec, bs, self.dtype, self.device, num_kv_blocks=config.num_kv_blocks,
+            spec, bs, self.kv_cache_dtype, self.device, num_kv_blocks=config.num_kv_blocks,
             kv_cache_space_gb=config.kv_cache_space_gb, gpu_memory_utilization=config.gpu_memory_utilization,
             run_profile_forward=lambda: profile_forward(self.model, loaded.backend, bs, self.device, budget,
                                                         config.max_num_seqs, self.max_decoder_len),
@@ -65,7 +66,7 @@ class LLMEngine:
         num_swap = int(config.swap_space_gb * _GiB // per_block)
         self.block_manager = BlockManager(bs, num_blocks, num_swap, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget), self.block_manager)
-        self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.dtype, self.device)
+        self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.kv_cache_dtype, self.device)
         self.runner = ModelRunner(self.model, loaded.backend, self.cache_engine, bs, self.device, config.seed)
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(loaded)

@@ -24,13 +24,34 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> Non
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the device for weights, activations and the KV pool")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode eagerly, without CUDA graphs")
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="CPU: int8 weights with per-channel scales for every linear")
+    p.add_argument("--compute-type", default=None,
+                   help="faster-whisper's spelling: int8 (or int8_float32) = --quantization int8, float32")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                   help="int8: KV cache rows quantized with per-group scales (about 4x the tokens of fp32)")
+
+
+# faster-whisper's --compute_type values the engine runs, as (quantization, dtype)
+_COMPUTE_TYPES = {"int8": ("int8", "float32"), "int8_float32": ("int8", "float32"), "float32": (None, "float32"),
+                  "default": (None, None), "auto": (None, None)}
 
 
 def _engine_kwargs(args) -> dict:
     """The EngineConfig fields every command takes (see _engine_args)."""
-    return dict(dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+    quantization, dtype = args.quantization, args.dtype
+    if args.compute_type is not None:
+        if args.compute_type not in _COMPUTE_TYPES:
+            raise ValueError(f"--compute-type {args.compute_type}: the engine runs {', '.join(_COMPUTE_TYPES)}; "
+                             "half precision is --dtype bfloat16/float16")
+        quantization_ct, dtype_ct = _COMPUTE_TYPES[args.compute_type]
+        if quantization and quantization_ct != quantization:
+            raise ValueError(f"--compute-type {args.compute_type} contradicts --quantization {quantization}")
+        quantization = quantization or quantization_ct
+        dtype = dtype_ct if dtype_ct and dtype == "auto" else dtype
+    return dict(dtype=dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 kv_cache_space_gb=args.kv_cache_space_gb, gpu_memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _llm(args):
@@ -53,6 +74,7 @@ def cmd_transcribe(args) -> int:
     if args.temperature is not None:
         options["temperatures"] = (args.temperature,)
     TranscribeOptions(**options)  # bad values fail before the model loads
+    _engine_kwargs(args)
     writes = args.output_dir or args.output_format
     subtitles = _subtitle_options(args, writes=bool(writes))
     if writes:  # before any work: a bad destination must not cost the transcription
