@@ -697,6 +697,9 @@ def test_an_upload_is_admitted_before_its_body_is_read(whisper_server):
             r = http.post("/v1/audio/transcriptions", files={"file": ("weather.wav", wav)}, data={"model": "whisper-1"})
         assert r.status_code == 429 and "MB of audio" in r.json()["error"]["message"], r.text
         assert r.headers["retry-after"] == "1"
+        metrics = httpx.get(f"{whisper_server.url}/metrics").text
+        assert 'encdec_audio_memory_bytes{kind="used"} 900000' in metrics
+        assert f'encdec_audio_memory_bytes{{kind="limit"}} {1 << 20}' in metrics
     finally:
         slow.close()
         until(lambda: memory.used == 0, "the slow upload's bytes to come back")

@@ -78,7 +78,7 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
     st = state_of(request)
-    return PlainTextResponse(st.metrics.render(st.engine, st.admission),
+    return PlainTextResponse(st.metrics.render(st.engine, st.admission, st.audio_memory),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

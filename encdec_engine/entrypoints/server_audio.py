@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from encdec_engine.entrypoints import protocol as P
 from encdec_engine.entrypoints.server_errors import APIError, engine_error
@@ -89,6 +90,8 @@ async def _audio_request(request: Request, task: str) -> Response:
         result = await until_disconnect(request, run())
     except HTTPException:  # the form parser's own 400s
         raise
+    except ClientDisconnect:  # gone while sending the body
+        raise APIError(499, "client closed the request") from None
     except Exception as e:
         raise engine_error(e) from None
     finally:
