@@ -28,6 +28,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | xformers
     enable_prefix_caching: bool = True  # reuse cached encoder outputs (cross KV) and decoder prefixes
     enforce_eager: bool = False  # CUDA: never replay decode from CUDA graphs
+    # torch's CPU threads (set for the whole process before the model loads); None: $OMP_NUM_THREADS when
+    # set, else the cores this process may use (os.sched_getaffinity)
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -50,6 +53,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be a positive integer (or None: the cores this process may use), "
+                             f"got {self.threads!r}")
         if self.attention_backend not in ("auto", "torch", "xformers"):
             raise ValueError(f"attention_backend must be auto, torch or xformers, got {self.attention_backend!r}")
 
