@@ -90,6 +90,8 @@ def test_openai_whisper_flags_parse_to_ours():
     options = transcribe_options(args, temperatures(args))
     assert options.language == "en" and options.temperatures == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     assert (options.carry_initial_prompt, options.patience, options.suppress_tokens) == (True, 2.0, (-1,))
+    assert (options.prepend_punctuations, options.append_punctuations) == ("\"'“¿([{-", "\"'.。,，!！?？:：”)]}、")
+    assert (options.length_penalty, options.beam_size, options.condition_on_previous_text) == (0.5, 5, False)
     # Dashed spellings, bare booleans, short forms and openai-whisper's "None" give the same namespace.
     ours = parse("transcribe", "a.wav", "-o", "subs", "-f", "srt", "--word-timestamps", "--carry-initial-prompt",
                  "--no-condition-on-previous-text", "--no-fp16", "--beam-size", "none")
@@ -199,3 +201,18 @@ def test_engine_flags_reach_the_engine_config():
     kwargs = engine_kwargs(parse("transcribe", "a.wav", "--threads", "3", "--dtype", "float32"))
     assert (kwargs["threads"], kwargs["dtype"]) == (3, "float32")
     assert engine_kwargs(parse("serve", "--threads", "0"))["threads"] is None  # 0: the default count
+
+
+def test_fp16_is_openai_whispers(capsys, monkeypatch):
+    """--fp16 True: float16 on CUDA; on the CPU openai-whisper warns and runs float32, as here. Unset: --dtype."""
+    import torch
+
+    from encdec_engine.entrypoints.cli_transcribe import _dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _dtype(parse("transcribe", "a.wav", "--fp16", "True")) == "float32"
+    assert capsys.readouterr().err == "warning: --fp16 is not supported on the CPU; using float32 instead\n"
+    assert _dtype(parse("transcribe", "a.wav", "--fp16", "True", "--device", "cuda")) == "float16"
+    assert _dtype(parse("transcribe", "a.wav", "--fp16", "False")) == "float32"
+    assert _dtype(parse("transcribe", "a.wav", "--dtype", "bfloat16")) == "bfloat16"
+    assert capsys.readouterr().err == ""

@@ -1,6 +1,7 @@
 """The Python API's streaming shapes (LLM.transcribe_iter, LLM.transcribe_segments) on `LLM()`, the offline
 default, and the openai-whisper options built here: carry_initial_prompt and the word punctuation rules."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,22 @@ def test_transcribe_iter_yields_each_file_when_it_is_done(default_llm):
     assert "missing.wav" in done[0].error and "coffee with milk" in done[1].text
     listed = default_llm.transcribe(files, **GREEDY)  # the same, in input order
     assert [t.index for t in listed] == [0, 1, 2] and [t.text for t in listed] == [t.text for t in reversed(done)]
+
+
+def test_leaving_transcribe_iter_early_aborts_the_rest(default_llm):
+    engine = default_llm.engine
+    for t in default_llm.transcribe_iter([MEETING, AUDIO / "coffee.wav"], **GREEDY):
+        assert t.index == 1 and engine.has_unfinished_requests()  # the meeting is still being decoded
+        break
+    assert not engine.has_unfinished_requests() and engine.num_free_blocks() == engine.num_total_blocks()
+    assert default_llm.transcribe(AUDIO / "coffee.wav")[0].index == 0  # the LLM is free again
+
+
+def test_progress_counts_seconds_of_audio_and_files_with_a_realtime_rate(default_llm, capsys):
+    default_llm.transcribe([AUDIO / "coffee.wav", AUDIO / "weather.wav"], use_tqdm=True, **GREEDY)
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert re.search(r"\| 6\.8/6\.8 s of audio \[.*, \d+\.\dx realtime, files 2/2\]$", bar), bar  # 3.49 + 3.30 s
+    assert "s/s" not in bar
 
 
 def test_segments_are_decoded_as_they_are_iterated(default_llm):
