@@ -18,9 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encdec_engine.entrypoints.cli_args import check_engine_args, engine_kwargs, error, resolve_model
-from encdec_engine.entrypoints.transcribe_args import add_transcribe_args
+from encdec_engine.entrypoints.subtitles import SubtitleOptions
+from encdec_engine.entrypoints.transcribe_args import (add_transcribe_args, subtitle_options, temperatures,
+                                                       transcribe_options)
 from encdec_engine.entrypoints.writers import format_timestamp, output_basename, render, write_transcription
 from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.results import Segment
 
 
 @dataclass
@@ -32,7 +35,7 @@ class TranscribePlan:
     options: TranscribeOptions
     output_dir: Path
     output_format: str
-    subtitles: object  # SubtitleOptions
+    subtitles: SubtitleOptions  # the srt/vtt cue layout
 
 
 def add_transcribe_parser(sub, formatter) -> None:
@@ -46,8 +49,6 @@ def add_transcribe_parser(sub, formatter) -> None:
 
 def plan_transcription(args: argparse.Namespace) -> TranscribePlan:
     """Every check that needs no model: ValueError naming the flag or file at fault."""
-    from encdec_engine.entrypoints.transcribe_args import subtitle_options, temperatures, transcribe_options
-
     check_engine_args(args)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -115,8 +116,10 @@ def _dtype(args: argparse.Namespace) -> str:
 
 @contextmanager
 def interrupts_deferred():
-    """Ctrl-C waits for the block to end (all of a file's outputs are written, or none), then raises."""
-    if threading.current_thread() is not threading.main_thread():
+    """Ctrl-C waits for the block to end (all of a file's outputs are written, or none), then raises.
+    Only where Ctrl-C raises KeyboardInterrupt at all: the main thread, Python's own SIGINT handler."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
         return
     received: list[int] = []
@@ -129,7 +132,7 @@ def interrupts_deferred():
         raise KeyboardInterrupt
 
 
-def segment_line(segment, source: str | None) -> str:
+def segment_line(segment: Segment, source: str | None) -> str:
     """openai-whisper's verbose line; with several files at once, the file's name first."""
     line = f"[{format_timestamp(segment.start)} --> {format_timestamp(segment.end)}] {segment.text}"
     return f"{source}: {line}" if source else line
