@@ -63,16 +63,16 @@ class _SegmentFeed:
 
     def __init__(self) -> None:
         self.sent: Counter[int] = Counter()  # segments handed out, per input
-        self.finished: set[int] = set()  # id() of the jobs and chunk jobs with no request left
+        self.finished: set[TranscriptionJob] = set()  # jobs and chunk jobs with no request left
 
     def new(self, job: TranscriptionJob) -> list[Segment]:
         final = job.segments
         if job.parts:
             final = []
             for part in job.parts:
-                final += part.segments if id(part) in self.finished else []
-                if id(part) not in self.finished:
+                if part not in self.finished:
                     break
+                final += part.segments
         fresh = final[self.sent[job.index]:]
         for i, seg in enumerate(fresh, start=self.sent[job.index]):
             seg.id = i  # a chunk numbers its own segments; the input's numbering is known only here
@@ -123,7 +123,7 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
                 ready = transcriber.take(job, out)
                 running[job.index] += len(ready) - 1
                 if not ready:
-                    feed.finished.add(id(job))
+                    feed.finished.add(job)
                 for next_job in ready:
                     submit(next_job)
                 root = jobs[job.index]
