@@ -180,9 +180,9 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                     failed[path] = result.error
                     error(result.error)
                     continue
-                with interrupts_deferred():
+                with interrupts_deferred():  # a Ctrl-C here is raised after the count: the file is whole
                     write_transcription(result, plan.output_format, plan.output_dir, path, plan.subtitles)
-                written += 1
+                    written += 1
                 text = render(result, "txt")
                 if not args.quiet and not args.verbose and (text or several):
                     _say(tqdm, (f"== {path}\n" if several else "") + text.rstrip("\n"))
