@@ -30,6 +30,9 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: never replay decode from CUDA graphs
     quantization: str | None = None  # "int8": CPU linears on int8 weights, per-channel scales (layers/int8_linear.py)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-group scales, attention/kv_quant.py)
+    # torch's CPU threads (set for the whole process before the model loads); None: $OMP_NUM_THREADS when
+    # set, else the cores this process may use (os.sched_getaffinity)
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -52,6 +55,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be a positive integer (or None: the cores this process may use), "
+                             f"got {self.threads!r}")
         if self.attention_backend not in ("auto", "torch", "xformers"):
             raise ValueError(f"attention_backend must be auto, torch or xformers, got {self.attention_backend!r}")
         if self.quantization not in (None, "int8"):

@@ -183,7 +183,7 @@ class Hostile:
 
     async def leaves_stream(self, i: int) -> str:
         """A streamed completion left after its first chunk."""
-        chunks = await self.client.bart.completions.create(model="bart", prompt=self.client.paragraphs[i % 7],
+        chunks = await self.client.bart.completions.create(model="bart", prompt=self.client.paragraphs[i % len(self.client.paragraphs)],
                                                            max_tokens=64, temperature=0.0, stream=True)
         async for _ in chunks:
             break
@@ -317,21 +317,26 @@ def main() -> int:
         bart_url = serve(bart_model, args.bart_url, "bart", ["--kv-cache-space-gb", "0.25"])
         for url in (whisper_url, bart_url):
             wait_healthy(url, procs.get(url))
-        client = Client(whisper_url, bart_url, args.api_key)
         audio_seconds = sum(_duration(CLIPS[(i // 2) % len(CLIPS)]) for i in range(0, args.requests, 2))
         def generated() -> float:
             return sum(read_metrics(u, args.api_key).get("encdec_generated_tokens_total", 0)
                        for u in (whisper_url, bart_url))
 
-        hostile = Hostile(client, whisper_url, bart_url, args.api_key) if args.hostile_share else None
+        async def session(num_requests: int, share: float) -> list[tuple]:
+            client = Client(whisper_url, bart_url, args.api_key)  # its connections belong to this event loop
+            hostile = Hostile(client, whisper_url, bart_url, args.api_key) if share else None
+            return await run_load(client, num_requests, args.concurrency, args.timeout, hostile, share)
 
         def run(share: float) -> tuple[int, float]:
             before = generated()
             start = time.monotonic()
-            results = asyncio.run(run_load(client, args.requests, args.concurrency, args.timeout, hostile, share))
+            results = asyncio.run(session(args.requests, share))
             wall = time.monotonic() - start
             return report(results, wall, generated() - before, audio_seconds)
 
+        warm = asyncio.run(session(min(args.requests, 2 * args.concurrency), 0.0))  # first calls are slow
+        if any(r[2] for r in warm):
+            print(f"warm-up error: {next(r[2] for r in warm if r[2])}")
         errors, slow = 0, False
         if args.compare:
             print("== the good requests alone")

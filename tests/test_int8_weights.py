@@ -242,7 +242,8 @@ def test_half_precision_checkpoints_are_quantized_once_at_load(dtype, bart_path,
 def test_every_command_takes_the_int8_flags():
     """`serve`, `transcribe`, `generate` and `summarize` share the engine flags; faster-whisper's
     --compute-type spelling maps onto them, and a contradiction is refused."""
-    from encdec_engine.entrypoints.cli import _engine_kwargs, build_parser
+    from encdec_engine.entrypoints.cli import build_parser
+    from encdec_engine.entrypoints.cli_args import engine_kwargs as _engine_kwargs
 
     parse = build_parser().parse_args
     for command in (["serve"], ["transcribe", "a.wav"], ["generate", "p.jsonl", "--model", "m"],

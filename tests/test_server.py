@@ -330,6 +330,7 @@ BAD_AUDIO = [
     (_multipart(stream="true", chunking_strategy="auto"), 400, "chunking_strategy is not supported with stream"),
     (_multipart(chunking_strategy="server_vad"), 400, "chunking_strategy"),
     (_multipart(language="fr"), 400, "English-only"),
+    (_multipart(language="xx"), 400, "'xx' is not a language Whisper knows"),
     (_multipart(model="gpt-4o"), 404, "not served here"),
     (_multipart(file=b"RIFF garbage, not audio" * 50), 400, "cannot decode"),
     (_multipart(file=b""), 400, "empty"),
@@ -658,7 +659,7 @@ def _accepts_connections(url: str) -> bool:
 
 def test_serve_command_defaults():
     args = build_parser().parse_args(["serve"])
-    assert (args.host, args.port, args.api_key, args.model) == ("127.0.0.1", 8000, None, None)
+    assert (args.host, args.port, args.api_key, args.model, args.threads) == ("127.0.0.1", 8000, None, "tiny.en", 0)
     args = build_parser().parse_args(["serve", "--port", "0", "--max-queue", "4", "--api-key", "k"])
     assert (args.port, args.max_queue, args.api_key) == (0, 4, "k")
 

@@ -23,6 +23,7 @@ from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
 from encdec_engine.worker.cuda_graphs import graph_batch_sizes
 from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool, weight_bytes
 from encdec_engine.worker.model_runner import ModelRunner
+from encdec_engine.worker.threads import configure_threads
 
 logger = logging.getLogger(__name__)
 _GiB = 1 << 30
@@ -41,6 +42,7 @@ class ProcessedRequest:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.threads = configure_threads(config.threads)  # before any heavy work: loading packs weights too
         loaded: LoadedModel = load_model(config)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.generation_config = loaded.generation_config
@@ -258,3 +260,9 @@ class LLMEngine:
 
     def num_total_blocks(self) -> tuple[int, int]:
         return self.block_manager.num_total_device_blocks, self.block_manager.num_total_swap_blocks
+
+    def describe(self) -> str:
+        """What runs where, for start-up logs: model, architecture, device, dtype, CPU threads, KV blocks."""
+        return (f"model {self.config.model} ({type(self.model).__name__}) on {self.device}, "
+                f"{str(self.dtype).removeprefix('torch.')}, {self.threads} CPU threads, "
+                f"KV pool of {self.kv_pool.num_blocks} blocks x {self.config.block_size} tokens")

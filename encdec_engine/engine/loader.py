@@ -14,6 +14,7 @@ from encdec_engine.config import EngineConfig
 from encdec_engine.layers.cpu_kernels import prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.generation_config import load_generation_config
+from encdec_engine.models.model_names import is_short_name, resolve_model_name
 from encdec_engine.models.tokenizer_files import load_tokenizer, tokenizer_if_any
 from encdec_engine.models.weights import iter_checkpoint, weight_files
 from encdec_engine.models.whisper_vocab import add_timestamp_tokens, complete_whisper_generation_config
@@ -39,10 +40,13 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local checkpoint folder, or a hub id downloaded (when the network allows)."""
+    """A local checkpoint folder, a short Whisper name found offline (`tiny.en`), or a hub id
+    downloaded (when the network allows)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if is_short_name(model):
+        return resolve_model_name(model)
     if path.exists() or model.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model {model!r} is not a checkpoint folder")
     from huggingface_hub import snapshot_download

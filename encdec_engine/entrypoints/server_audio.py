@@ -64,11 +64,14 @@ async def _audio_request(request: Request, task: str) -> Response:
         stream = getattr(req, "stream", False)
         temperatures = (req.temperature,) if stream else _fallback_temperatures(req.temperature)
         # A stream sends tokens as they are decoded, so nothing it sent may be retried or skipped after.
-        options = TranscribeOptions(language=getattr(req, "language", None), task=task, initial_prompt=req.prompt,
-                                    timestamps=not stream, temperatures=temperatures,
-                                    word_timestamps=getattr(req, "words", False),
-                                    chunked=getattr(req, "chunking_strategy", None) == "auto",
-                                    no_speech_threshold=None if stream else TranscribeOptions.no_speech_threshold)
+        try:  # an unknown language is refused by TranscribeOptions, one this checkpoint lacks by the Transcriber
+            options = TranscribeOptions(language=getattr(req, "language", None), task=task,
+                                        initial_prompt=req.prompt, timestamps=not stream, temperatures=temperatures,
+                                        word_timestamps=getattr(req, "words", False),
+                                        chunked=getattr(req, "chunking_strategy", None) == "auto",
+                                        no_speech_threshold=None if stream else TranscribeOptions.no_speech_threshold)
+        except ValueError as e:
+            raise APIError(400, str(e), "language") from None
         # Tokenizing the prompt (up to the field's cap) is CPU work: off the event loop.
         transcriber = await asyncio.to_thread(_transcriber, st.engine.engine, options, task)
         data = await upload.read()

@@ -10,6 +10,8 @@ from ``whisper audio.wav --output_format ...``. ``render`` gives one format as a
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,6 +160,7 @@ def output_basename(audio_path: str | Path | None, t: Transcription | None = Non
 def write_transcription(t: Transcription, fmt: str, output_dir: str | Path, audio_path: str | Path | None,
                         options: SubtitleOptions | None = None) -> list[Path]:
     """Write ``t`` as ``<output_dir>/<audio basename>.<fmt>`` (UTF-8); ``fmt="all"`` writes every format.
+    Each file is written atomically (``write_atomically``).
 
     ``options`` shape the srt and vtt files (see ``render``). Creates ``output_dir`` if needed and
     returns the paths written, in ``OUTPUT_FORMATS`` order. Raises ValueError for an unknown format,
@@ -175,11 +178,21 @@ def write_transcription(t: Transcription, fmt: str, output_dir: str | Path, audi
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = output_basename(audio_path, t)
-    written = []
-    for f in formats:
-        path = out_dir / f"{stem}.{f}"
+    texts = {out_dir / f"{stem}.{f}": render(t, f, options) for f in formats}  # every format renders first
+    for path, text in texts.items():
+        write_atomically(path, text)
+    return list(texts)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to a temporary file beside `path`, then rename it over `path`: readers, and
+    a crash or Ctrl-C midway, see the old file or the whole new one, never half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
         # newline="" keeps the bytes equal to render() on every platform (no "\r\n" on Windows).
-        with open(path, "w", encoding="utf-8", newline="") as fh:
-            fh.write(render(t, f, options))
-        written.append(path)
-    return written
+        with open(tmp, "x", encoding="utf-8", newline="") as fh:  # "x": the umask's mode, unlike mkstemp's 0600
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
