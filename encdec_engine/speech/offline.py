@@ -10,6 +10,7 @@ Ctrl-C included, inside it) aborts the requests in flight, so their KV blocks ar
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from encdec_engine.speech.audio import FRAMES_PER_SECOND, audio_inputs
+from encdec_engine.speech.inputs import InputQueue
 from encdec_engine.speech.job import TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.results import Segment, Transcription
@@ -44,10 +46,14 @@ class TranscriptionUpdate:
 class _Progress:
     """The progress bar: seconds of audio done, the x-realtime rate, and files done."""
 
-    def __init__(self, jobs: list[TranscriptionJob], enabled: bool) -> None:
-        total = round(sum(j.duration for j in jobs), 1)
-        self.bar = tqdm(total=total, desc="Transcribing", bar_format=_BAR_FORMAT, disable=not enabled)
-        self.files, self.files_done = len(jobs), 0
+    def __init__(self, seconds: float, files: int, enabled: bool) -> None:
+        self.bar = tqdm(total=round(seconds, 1), desc="Transcribing", bar_format=_BAR_FORMAT, disable=not enabled)
+        self.files, self.files_done = files, 0
+
+    def grow(self, seconds: float) -> None:
+        """Audio whose length no header told, now that it is read."""
+        self.bar.total = round(self.bar.total + seconds, 1)
+        self.bar.refresh()
 
     def advance(self, seconds: float, file_done: bool) -> None:
         self.files_done += file_done
@@ -79,22 +85,30 @@ class _SegmentFeed:
         self.sent[job.index] = len(final)
         return fresh
 
+    def forget(self, job: TranscriptionJob) -> None:
+        """The input is done: hold nothing of it (its jobs hold its audio)."""
+        self.finished.difference_update((job, *job.parts))
+        self.sent.pop(job.index, None)
+
 
 def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, use_tqdm: bool = False,
                           max_in_flight: int | None = None) -> Iterator[TranscriptionUpdate]:
     """Transcribe audio (one input or a sequence: paths, bytes, arrays, (samples, rate) pairs) on an
     `LLMEngine`, yielding updates as windows finish (see the module docstring). At most
-    `max_in_flight` jobs start at once (None: all); a job's later requests, and the chunks it fans
-    out into, follow at once. An input that cannot be read is done at once, with `error` set."""
+    `max_in_flight` jobs start at once (None: all that are read); a job's later requests, and the
+    chunks it fans out into, follow at once. Inputs are read as the audio held allows
+    (`speech.inputs`), and dropped once done. An input that cannot be read is done at once, with
+    `error` set."""
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f"max_in_flight must be at least 1 (or None: every input at once), got {max_in_flight}")
     transcriber = Transcriber(engine, options)
-    jobs = [transcriber.load(i, x) for i, x in enumerate(audio_inputs(audio))]
-    queue = [ready for job in jobs for ready in transcriber.start(job)]
-    running = Counter(job.index for job in queue)  # jobs of each input that are not done
+    inputs = InputQueue(audio_inputs(audio), lambda pairs: [transcriber.load(i, x) for i, x in pairs])
+    roots: dict[int, TranscriptionJob] = {}  # inputs read and not done
+    queue: list[TranscriptionJob] = []
+    running: Counter[int] = Counter()  # jobs of each input that are not done
     in_flight: dict[str, TranscriptionJob] = {}
     feed = _SegmentFeed()
-    progress = _Progress(jobs, use_tqdm)
+    progress = _Progress(inputs.known_seconds, len(inputs.items), use_tqdm)
 
     def submit(job: TranscriptionJob) -> None:
         align = "-words" if job.pending is not None else ""
@@ -104,18 +118,34 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
 
     def done(job: TranscriptionJob) -> TranscriptionUpdate:
         progress.advance(0.0, file_done=True)
-        return TranscriptionUpdate(job.index, feed.new(job), transcriber.result(job), job.language, job.duration)
+        update = TranscriptionUpdate(job.index, feed.new(job), transcriber.result(job), job.language, job.duration)
+        roots.pop(job.index, None)
+        feed.forget(job)
+        inputs.release(job)
+        return update
 
-    limit = max_in_flight or len(queue) or 1
+    def read_more() -> list[TranscriptionUpdate]:
+        """Read the inputs that fit now; those with nothing to decode (unreadable, no audio) are done."""
+        finished = []
+        for job in inputs.take():
+            if inputs.probed[job.index] is None:
+                progress.grow(job.duration)
+            roots[job.index] = job
+            ready = transcriber.start(job)
+            running[job.index] = len(ready)
+            queue.extend(ready)
+            if not ready:
+                finished.append(done(job))
+        return finished
+
+    limit = max_in_flight or math.inf
     try:
-        for job in jobs:  # unreadable inputs and inputs with no audio to decode: done before any step
-            if not running[job.index]:
-                yield done(job)
-        while queue or in_flight:
+        yield from read_more()
+        while queue or in_flight or not inputs.exhausted:
             while queue and len(in_flight) < limit:
                 submit(queue.pop(0))
             updates = []
-            for out in engine.step():
+            for out in engine.step() if in_flight else []:
                 if not out.finished or out.request_id not in in_flight:
                     continue
                 job = in_flight.pop(out.request_id)
@@ -126,12 +156,13 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
                     feed.finished.add(job)
                 for next_job in ready:
                     submit(next_job)
-                root = jobs[job.index]
+                root = roots[job.index]
                 progress.advance(round((min(job.seek, job.num_frames) - before) / FRAMES_PER_SECOND, 1), False)
                 if not running[job.index]:
                     updates.append(done(root))
                 else:
                     updates.append(TranscriptionUpdate(job.index, feed.new(root), None, root.language, root.duration))
+            updates += read_more()
             yield from (u for u in updates if u.segments or u.transcription is not None)
     except BaseException:  # an error, Ctrl-C, or the caller closing the generator early
         for rid in list(in_flight):
