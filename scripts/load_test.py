@@ -325,7 +325,11 @@ def main() -> int:
         async def session(num_requests: int, share: float) -> list[tuple]:
             client = Client(whisper_url, bart_url, args.api_key)  # its connections belong to this event loop
             hostile = Hostile(client, whisper_url, bart_url, args.api_key) if share else None
-            return await run_load(client, num_requests, args.concurrency, args.timeout, hostile, share)
+            try:
+                return await run_load(client, num_requests, args.concurrency, args.timeout, hostile, share)
+            finally:
+                await client.whisper.close()
+                await client.bart.close()
 
         def run(share: float) -> tuple[int, float]:
             before = generated()
