@@ -222,6 +222,20 @@ def record_requests(engine, monkeypatch) -> list[tuple[None, dict, object]]:
     return added
 
 
+class MissingOneToken:
+    """A tokenizer that has no token for one id (convert_ids_to_tokens gives None), like a tokenizer
+    without Whisper's timestamp tokens; everything else is the wrapped tokenizer's."""
+
+    def __init__(self, tokenizer, token_id: int) -> None:
+        self.tokenizer, self.token_id = tokenizer, token_id
+
+    def convert_ids_to_tokens(self, ids):
+        return [None if i == self.token_id else t for i, t in zip(ids, self.tokenizer.convert_ids_to_tokens(ids))]
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
 class BrokenOnOneToken:
     """A tokenizer that raises (TypeError) converting one token id; everything else is the wrapped tokenizer's.
     It stands for any fault in one request's output processing."""
