@@ -11,7 +11,7 @@ import torch
 from transformers import WhisperFeatureExtractor
 
 from encdec_engine.speech.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, load_audio
-from encdec_engine.speech.features import log_mel_spectrogram, pad_or_trim
+from encdec_engine.speech.features import log_mel_spectrogram, long_log_mel_spectrogram, pad_or_trim
 
 AUDIO_DIR = Path(__file__).resolve().parent.parent / "prompts" / "audio"
 # Measured: 0.0 (bit-identical) on CPU for both 80 and 128 bins; the bound leaves room
@@ -85,3 +85,15 @@ def test_rejects_bad_inputs() -> None:
         log_mel_spectrogram([])
     with pytest.raises(ValueError, match="shape"):
         log_mel_spectrogram(torch.zeros(1, 2, 100))
+
+
+@pytest.mark.parametrize("seconds", [30.01, 47.3, 69.3])
+def test_long_recordings_are_featurized_in_blocks_exactly_as_in_one_piece(seconds):
+    """The long-form log-mel (the recording plus 30 s of silence) in 30 s blocks: the same values as the
+    whole-recording STFT, which for an hour of audio takes gigabytes."""
+    samples = load_audio(Path(__file__).resolve().parent.parent / "prompts" / "audio" / "long_meeting.flac")
+    samples = samples[: int(seconds * 16000)]
+    whole = log_mel_spectrogram([np.concatenate([samples, np.zeros(N_SAMPLES, np.float32)])], pad_to=None)[0]
+    assert torch.equal(long_log_mel_spectrogram(samples, 80, tail_zeros=N_SAMPLES), whole)
+    whole = log_mel_spectrogram([samples], n_mels=128, pad_to=None)[0]
+    torch.testing.assert_close(long_log_mel_spectrogram(samples, 128), whole, rtol=0, atol=1e-6)

@@ -80,8 +80,12 @@ def _to_mono(samples: np.ndarray, sample_rate: int, target_rate: int, *, channel
     samples = samples.astype(np.float32, copy=False)
     if not np.isfinite(samples).all():
         raise AudioError(f"audio has {int(np.count_nonzero(~np.isfinite(samples)))} NaN or infinite samples")
-    if samples.ndim == 2:
-        samples = samples.mean(axis=1 if channels_last else 0)  # samples: [num_samples]
+    if samples.ndim == 2:  # one channel is taken as it is: no copy of an hour of samples
+        axis = 1 if channels_last else 0
+        if samples.shape[axis] > 1:
+            samples = samples.mean(axis=axis)
+        else:
+            samples = samples[:, 0] if channels_last else samples[0]
     if sample_rate != target_rate and samples.size:
         import librosa
 

@@ -101,3 +101,43 @@ def log_mel_spectrogram(
     peak = log_spec.amax(dim=(1, 2), keepdim=True)  # peak: [batch, 1, 1]
     log_spec = torch.maximum(log_spec, peak - 8.0)
     return (log_spec + 4.0) / 4.0
+
+
+_BLOCK_FRAMES = 3000  # frames per STFT block of a long recording (30 s)
+
+
+def long_log_mel_spectrogram(samples: np.ndarray, n_mels: int = 80, tail_zeros: int = 0) -> torch.Tensor:
+    """`log_mel_spectrogram([samples + tail_zeros zeros], pad_to=None)[0]` of one recording, computed
+    30 s of frames at a time, so an hour of audio needs the log-mel it returns (115 MB with 80 bins)
+    and one block's STFT, not the STFT of the whole hour (gigabytes). Each frame sees the same
+    samples (the reflect padding is at the signal's ends only) and the dynamic range is clamped below
+    the whole recording's peak, as in one piece. Returns float32 ``[n_mels, frames]`` on the CPU."""
+    if n_mels not in SUPPORTED_N_MELS:
+        raise ValueError(f"n_mels must be one of {SUPPORTED_N_MELS}, got {n_mels}")
+    signal = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32))  # signal: [num_samples]
+    length = signal.shape[0] + tail_zeros
+    frames = length // HOP_LENGTH  # torch.stft's 1 + length // hop frames, less Whisper's dropped last one
+    half = N_FFT // 2
+    filters, window = _mel_filters(n_mels, torch.device("cpu")), _window(torch.device("cpu"))
+    out = torch.empty(n_mels, frames)
+    for f0 in range(0, frames, _BLOCK_FRAMES):
+        f1 = min(frames, f0 + _BLOCK_FRAMES)
+        # Frame t covers samples [t * hop - half, t * hop + half) of the reflect-padded signal.
+        block = _reflect_slice(signal, length, f0 * HOP_LENGTH - half, (f1 - 1) * HOP_LENGTH + half)
+        stft = torch.stft(block[None], N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True)
+        out[:, f0:f1] = torch.clamp(filters @ (stft[0].abs() ** 2), min=1e-10).log10()  # [n_mels, f1 - f0]
+    torch.maximum(out, out.max() - 8.0, out=out)
+    return out.add_(4.0).div_(4.0)
+
+
+def _reflect_slice(signal: torch.Tensor, length: int, start: int, end: int) -> torch.Tensor:
+    """Samples [start, end) of `signal` followed by zeros up to `length`, reflect-padded at both ends
+    (as torch.stft(center=True) pads): indices below 0 or past `length` mirror those inside."""
+    inside = torch.zeros(min(end, length) - max(start, 0))
+    stop = min(end, signal.shape[0])
+    if stop > max(start, 0):
+        inside[: stop - max(start, 0)] = signal[max(start, 0) : stop]
+    if start >= 0 and end <= length:
+        return inside
+    left, right = max(0, -start), max(0, end - length)
+    return torch.nn.functional.pad(inside[None, None], (left, right), mode="reflect")[0, 0]

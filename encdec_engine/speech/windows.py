@@ -18,13 +18,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from encdec_engine.speech.audio import FRAMES_PER_SECOND, N_FRAMES, N_SAMPLES, audio_samples
 from encdec_engine.speech.chunking import frame_loudness, quiet_cuts
-from encdec_engine.speech.features import log_mel_spectrogram
+from encdec_engine.speech.features import log_mel_spectrogram, long_log_mel_spectrogram
 from encdec_engine.speech.job import TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
 
@@ -108,8 +107,8 @@ class WindowPlanner:
         if not job.long_form:  # HF semantics: the zero-padded 30 s window is normalized as a whole
             return log_mel_spectrogram([job.samples], n_mels=self.n_mels)[0]
         # openai-whisper semantics: the whole recording plus 30 s of silence, sliced into windows later
-        padded = np.concatenate([job.samples, np.zeros(N_SAMPLES, dtype=np.float32)])
-        return log_mel_spectrogram([padded], n_mels=self.n_mels, pad_to=None)[0]
+        # The recording plus 30 s of silence, featurized in blocks: an hour's STFT would take gigabytes.
+        return long_log_mel_spectrogram(job.samples, self.n_mels, tail_zeros=N_SAMPLES)
 
     def _clips(self, job: TranscriptionJob) -> list[tuple[int, int]]:
         """clip_timestamps as mel frames within the audio (openai-whisper: a missing last end is the end)."""
