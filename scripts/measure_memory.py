@@ -103,18 +103,25 @@ def server_run(upload: Path, uploads: int, extra: list[str]) -> None:
                         data={"model": "whisper-1", "stream": "true"}) as r:
                     if r.status_code != 200:
                         outcomes.append(str(r.status_code))
-                    else:
-                        next(r.iter_lines())
-                        outcomes.append("streaming")
+                        ready.wait()
+                        return
+                    lines = r.iter_lines()  # one iterator, read to the end of the test: a client that
+                    first = next(line for line in lines if line)  # stops reading is one that left
+                    outcomes.append("streaming" if '"error"' not in first else f"error event: {first[:200]}")
                     ready.wait()
-                    stop.wait()  # hold the stream open (the job alive) until measured
+                    for _ in lines:  # the job stays alive (and its audio held) until measured
+                        if stop.is_set():
+                            break
             except threading.BrokenBarrierError:
                 pass
 
         threads = [threading.Thread(target=client) for _ in range(uploads)]
         for t in threads:
             t.start()
-        ready.wait(timeout=900)
+        try:
+            ready.wait(timeout=900)
+        except threading.BrokenBarrierError:
+            raise SystemExit(f"not every upload got an answer in 900 s: {outcomes}") from None
         busy = status(proc.pid)
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         held = re.search(r'encdec_audio_memory_bytes\{kind="used"\} (\d+)', metrics)
