@@ -9,6 +9,9 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from encdec_engine.distributed.cli import add_ray_args, ray_command, split_ray_address
+from encdec_engine.distributed.cluster import RayNotInstalled
+
 if TYPE_CHECKING:
     from encdec_engine.entrypoints.subtitles import SubtitleOptions
 
@@ -42,17 +45,7 @@ def _llm(args):
 def cmd_transcribe(args) -> int:
     from encdec_engine.entrypoints.writers import OUTPUT_FORMATS, output_basename, render, write_transcription
 
-    from encdec_engine.speech.options import TranscribeOptions
-
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-    options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt,
-               "no_speech_threshold": args.no_speech_threshold, "beam_size": args.beam_size, "best_of": args.best_of,
-               "word_timestamps": args.word_timestamps, "clip_timestamps": args.clip_timestamps,
-               "hallucination_silence_threshold": args.hallucination_silence_threshold, "chunked": args.chunked}
-    if args.temperature is not None:
-        options["temperatures"] = (args.temperature,)
-    TranscribeOptions(**options)  # bad values fail before the model loads
+    options = _transcribe_options(args)
     writes = args.output_dir or args.output_format
     subtitles = _subtitle_options(args, writes=bool(writes))
     if writes:  # before any work: a bad destination must not cost the transcription
@@ -88,6 +81,22 @@ def cmd_transcribe(args) -> int:
             header = f"== {path}\n" if len(args.audio) > 1 else ""
             print(header + (render(result, "txt") if not args.verbose else render(result, "vtt")), end="")
     return 1 if failed else 0
+
+
+def _transcribe_options(args) -> dict:
+    """The TranscribeOptions fields the flags set (checked here: bad values fail before the model loads)."""
+    from encdec_engine.speech.options import TranscribeOptions
+
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt,
+               "no_speech_threshold": args.no_speech_threshold, "beam_size": args.beam_size, "best_of": args.best_of,
+               "word_timestamps": args.word_timestamps, "clip_timestamps": args.clip_timestamps,
+               "hallucination_silence_threshold": args.hallucination_silence_threshold, "chunked": args.chunked}
+    if args.temperature is not None:
+        options["temperatures"] = (args.temperature,)
+    TranscribeOptions(**options)
+    return options
 
 
 def _subtitle_options(args, writes: bool) -> SubtitleOptions:
@@ -149,9 +158,7 @@ def cmd_summarize(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import os
-
-    from encdec_engine.entrypoints.server import ServerLimits, run_server
+    from encdec_engine.entrypoints.server import run_server
 
     model = args.model
     if model is None:
@@ -162,15 +169,26 @@ def cmd_serve(args) -> int:
         from encdec_engine.models.ct2_import import import_ct2_whisper
 
         model = str(import_ct2_whisper(model, Path(model) / ".encdec-hf"))
-    limits = ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
-                          max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
-                          max_audio_seconds=args.max_audio_seconds, protect_info=args.protect_info)
-    engine = dict(_engine_kwargs(args), swap_space_gb=args.swap_space_gb,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                  seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
-    run_server(model, host=args.host, port=args.port, limits=limits, served_model_name=args.served_model_name,
-               shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, **engine)
+    run_server(model, host=args.host, port=args.port, limits=_server_limits(args),
+               served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
+               log_level=args.log_level, **_server_engine_kwargs(args))
     return 0
+
+
+def _server_limits(args):
+    import os
+
+    from encdec_engine.entrypoints.server_gate import ServerLimits
+
+    return ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
+                        max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
+                        max_audio_seconds=args.max_audio_seconds, protect_info=args.protect_info)
+
+
+def _server_engine_kwargs(args) -> dict:
+    return dict(_engine_kwargs(args), swap_space_gb=args.swap_space_gb,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
 
 
 def _add_serve_parser(sub) -> None:
@@ -208,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     tr = sub.add_parser("transcribe", help="transcribe audio files with Whisper")
-    tr.add_argument("audio", nargs="+", help="audio files (wav, flac, ogg, mp3, ...)")
+    tr.add_argument("audio", nargs="*", help="audio files (wav, flac, ogg, mp3, ...); on Ray also folders and globs")
     _engine_args(tr, model_required=False)
     tr.set_defaults(model=None)
     tr.add_argument("--language", default=None, help="e.g. en; default: detect (English-only models: en)")
@@ -261,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     summ = sub.add_parser("summarize", help="summarize text files with the checkpoint's generation config")
-    summ.add_argument("files", nargs="+")
+    summ.add_argument("files", nargs="*", help="text files; on Ray also folders and globs")
     _engine_args(summ)
     summ.add_argument("--max-tokens", type=int, default=None)
     summ.add_argument("--min-tokens", type=int, default=None)
@@ -269,14 +287,18 @@ def build_parser() -> argparse.ArgumentParser:
     summ.set_defaults(func=cmd_summarize)
 
     _add_serve_parser(sub)
+    for command, command_parser in sub.choices.items():
+        add_ray_args(command_parser, command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(split_ray_address(sys.argv[1:] if argv is None else argv))
+    command = ray_command(args, parser) or args.func
     try:
-        return args.func(args)
-    except (ValueError, OSError) as e:  # bad arguments, unwritable outputs: a message, not a traceback
+        return command(args)
+    except (ValueError, OSError, RayNotInstalled) as e:  # bad arguments, unwritable outputs, no Ray: a message
         print(f"error: {e}", file=sys.stderr)
         return 2
 
