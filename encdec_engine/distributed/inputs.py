@@ -6,8 +6,8 @@ Manifest lines (JSONL, one JSON value per line; blank lines are skipped):
     transcribe   {"audio": "calls/0001.wav", "id": "call-1", "output": "2024/call-1"}   or "calls/0001.wav"
     summarize    {"text": "A long document ...", "id": "doc-7"}  or  {"path": "docs/a.txt"}  or "docs/a.txt"
 
-`id` defaults to the input's absolute path (inline text: its line number); `output` is the output file
-name without extension (default: the audio file's name without its extension, as the single-machine CLI
+`id` defaults to the input's absolute path (inline text: its line number); `output` (transcribe) is the
+output file name without extension (default: the audio file's name without its extension, as the single-machine CLI
 names it). Relative paths in a manifest are relative to the manifest's folder. A prompt file for
 `generate` is read as `encdec generate` reads it (any prompt format, optional "sampling_params"); a
 prompt's id is its index, the single-machine command's request id.
@@ -79,19 +79,17 @@ def audio_inputs(specs: Iterable[str] = (), manifest: str | Path | None = None) 
 
 
 def text_inputs(specs: Iterable[str] = (), manifest: str | Path | None = None) -> list[JobInput]:
-    """The inputs of a summarization job: text files (read by the worker) or inline text."""
-    items = [JobInput(str(p), {"path": str(p)}, name, str(p)) for p, name in expand(specs, TEXT_EXTENSIONS)]
+    """The inputs of a summarization job: text files (read by the worker) or inline text (summaries go to
+    stdout and the results file, so no output names)."""
+    items = [JobInput(str(p), {"path": str(p)}, None, str(p)) for p, _ in expand(specs, TEXT_EXTENSIONS)]
     for where, value, base in _manifest_lines(manifest):
         entry = {"path": value} if isinstance(value, str) else value
         if "text" in entry:
-            text = _field(entry, "text", where, str)
             line = where.rsplit(":", 1)[1]
-            items.append(JobInput(_id(entry, where, line), {"text": text}, _field(entry, "output", where, str),
-                                  where))
+            items.append(JobInput(_id(entry, where, line), {"text": _field(entry, "text", where, str)}, None, where))
             continue
         path = (base / Path(_field(entry, "path", where, str)).expanduser()).resolve()
-        items.append(JobInput(_id(entry, where, str(path)), {"path": str(path)},
-                              _field(entry, "output", where, str, path.stem), str(path)))
+        items.append(JobInput(_id(entry, where, str(path)), {"path": str(path)}, None, str(path)))
     return _checked(items)
 
 
