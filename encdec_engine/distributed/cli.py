@@ -96,15 +96,12 @@ def _transcribe(args: argparse.Namespace) -> int:
                                   language=args.language, task=args.task, batch_size=args.batch_size,
                                   engine=_engine_kwargs(args), progress=not args.quiet, stream=True,
                                   **_cluster_kwargs(args), **options)
-    failed = 0
-    for row in rows:
-        if row["error"] is not None:
-            failed += 1
-            print(f"error: {row['error']}", file=sys.stderr)
-        elif not args.quiet or not writes:
-            text = render(transcription_from_row(row), "vtt" if args.verbose else "txt")
-            print(f"== {row['path']}\n{text}", end="")
-    return 1 if failed else 0
+
+    def show(row: dict) -> None:
+        if row["error"] is None and (not args.quiet or not writes):
+            print(f"== {row['path']}\n{render(transcription_from_row(row), 'vtt' if args.verbose else 'txt')}", end="")
+
+    return _report(rows, show)
 
 
 def _summarize(args: argparse.Namespace) -> int:
@@ -115,14 +112,7 @@ def _summarize(args: argparse.Namespace) -> int:
     rows = distributed.summarize(args.files, args.model, manifest=args.manifest, batch_size=args.job_batch_size or 16,
                                  engine=_engine_kwargs(args), progress=not args.quiet, stream=True,
                                  **_cluster_kwargs(args), **overrides)
-    failed = 0
-    for row in rows:
-        if row["error"] is not None:
-            failed += 1
-            print(f"error: {row['error']}", file=sys.stderr)
-        else:
-            print(f"== {row['path'] or row['id']}\n{row['text']}")
-    return 1 if failed else 0
+    return _report(rows, lambda row: row["error"] is None and print(f"== {row['path'] or row['id']}\n{row['text']}"))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -134,13 +124,19 @@ def _generate(args: argparse.Namespace) -> int:
     cluster = {**_cluster_kwargs(args), "results": args.results or args.output}
     rows = distributed.generate(args.prompts, args.model, batch_size=args.job_batch_size or 64,
                                 engine=_engine_kwargs(args), progress=not args.quiet, stream=True, **cluster, **params)
+    # As `encdec generate` without --output: the records on stdout.
+    show = (lambda row: None) if cluster["results"] else (lambda row: print(json.dumps(row)))
+    return _report(rows, show, what=lambda row: f"prompt {row['id']} failed: ")
+
+
+def _report(rows, show: Callable[[dict], object], what: Callable[[dict], str] = lambda row: "") -> int:
+    """Show each row as it arrives and each error on stderr; the exit status: 1 when an input failed."""
     failed = 0
     for row in rows:
         if row["error"] is not None:
             failed += 1
-            print(f"error: prompt {row['id']} failed: {row['error']}", file=sys.stderr)
-        if cluster["results"] is None:  # as `encdec generate` without --output: the records on stdout
-            print(json.dumps(row))
+            print(f"error: {what(row)}{row['error']}", file=sys.stderr)
+        show(row)
     return 1 if failed else 0
 
 

@@ -2,6 +2,7 @@
 
     address None   a cluster this process already joined (ray.init() called before), else
                    $RAY_ADDRESS when set, else a new local cluster sized by the workers
+    "local"        a new local cluster sized by the workers
     "auto"         the cluster `ray start` runs on this machine
     "host:port"    a cluster's GCS address; "ray://host:10001" goes through Ray Client
 
@@ -57,7 +58,7 @@ def connect(options: ClusterOptions) -> Iterator[int]:
     if not ray.is_initialized():
         init: dict[str, Any] = dict(include_dashboard=False, log_to_driver=options.log_to_driver,
                                     logging_level=logging.WARNING)
-        if options.address is None and not os.environ.get("RAY_ADDRESS"):
+        if options.address == "local" or (options.address is None and not os.environ.get("RAY_ADDRESS")):
             workers = options.num_workers or max(1, (os.cpu_count() or 1) // options.threads_per_worker)
             init.update(num_cpus=workers * options.threads_per_worker, object_store_memory=LOCAL_OBJECT_STORE_BYTES)
         ray.init(address=options.address, **init)
