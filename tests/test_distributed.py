@@ -141,12 +141,13 @@ def test_generate_job_survives_a_killed_worker_and_matches_the_single_process_ru
 def test_resume_after_a_killed_driver_runs_only_the_rest(ray_cluster, bart_path, make_llm, tmp_path, monkeypatch):
     """`encdec generate --ray ADDRESS` in a subprocess is SIGKILLed once it has written some rows; a
     second run with --resume sends only the missing prompts to the cluster, and the results file ends
-    with exactly one row per prompt, equal to the single-process run."""
+    with exactly one row per prompt, equal to the single-process run. Batches of one prompt: the resumed
+    run batches what is left, and a random model's near-ties can resolve differently in another batch."""
     llm = make_llm(bart_path, **BART_KV)
     prompts = prompt_file(tmp_path / "prompts.jsonl", llm.get_tokenizer(), 15)
     results = tmp_path / "results.jsonl"
     argv = ["generate", str(prompts), "--model", str(bart_path), "--ray", ray_cluster, "--num-workers", "1",
-            "--batch-size", "2", "--max-tokens", "24", "--kv-cache-space-gb", "0.05", "--results", str(results),
+            "--batch-size", "1", "--max-tokens", "24", "--kv-cache-space-gb", "0.05", "--results", str(results),
             "--quiet"]
     driver = subprocess.Popen([sys.executable, "-m", "encdec_engine.entrypoints.cli", *argv],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -171,8 +172,9 @@ def test_resume_after_a_killed_driver_runs_only_the_rest(ray_cluster, bart_path,
     rows = read_rows(results)
     assert Counter(r["id"] for r in rows) == Counter(str(i) for i in range(16))
     assert set(sent) == {str(i) for i in range(16)} - (first - {"3"})  # the rest, and the error row again
-    expected = reference(llm, prompts, 24, batch_size=2)
-    assert all(r["token_ids"] == expected[int(r["id"])]["token_ids"] for r in rows)
+    expected = reference(llm, prompts, 24, batch_size=1)
+    differ = [r["id"] for r in rows if r["token_ids"] != expected[int(r["id"])]["token_ids"]]
+    assert not differ, f"rows {differ} differ from the single-process run (first run: {sorted(first)})"
 
 
 def completion(client: openai.OpenAI, i: int) -> str:
