@@ -1,5 +1,8 @@
 """Batch jobs and replicated serving on a local Ray cluster (2 CPUs: 2 workers x 1 thread), checked against
-the single-process `LLM` on the same checkpoints: a random-init BART and the default tiny.en."""
+the single-process `LLM` on the same checkpoints: a random-init BART and the default tiny.en.
+
+The default run has the BART job that loses a worker and the 2 replicas (about 1.5 minutes with the
+cluster's start); the tiny.en job and --resume after a killed driver are `slow` (`pytest -m slow`)."""
 
 from __future__ import annotations
 
@@ -77,6 +80,7 @@ def approx_floats(value):
     return pytest.approx(value, rel=1e-5, abs=1e-7) if isinstance(value, float) else value
 
 
+@pytest.mark.slow  # about a minute: the default run keeps the BART job with a killed worker and the replicas
 def test_transcribe_job_writes_what_the_single_process_run_writes(ray_cluster, make_llm, tmp_path):
     """tiny.en over 2 workers writes the files `LLM.transcribe` + the writers make in this process (text,
     srt, vtt and tsv byte for byte; JSON equal, its log-probabilities to 1e-5); a corrupt file and a
@@ -138,6 +142,7 @@ def test_generate_job_survives_a_killed_worker_and_matches_the_single_process_ru
     assert "outside the vocabulary" in seen[[r["id"] for r in seen].index("3")]["error"]
 
 
+@pytest.mark.slow  # 30-50 s: a CLI driver in a subprocess, then the resumed run
 def test_resume_after_a_killed_driver_runs_only_the_rest(ray_cluster, bart_path, make_llm, tmp_path, monkeypatch):
     """`encdec generate --ray ADDRESS` in a subprocess is SIGKILLed once it has written some rows; a
     second run with --resume sends only the missing prompts to the cluster, and the results file ends
@@ -177,16 +182,18 @@ def test_resume_after_a_killed_driver_runs_only_the_rest(ray_cluster, bart_path,
     assert not differ, f"rows {differ} differ from the single-process run (first run: {sorted(first)})"
 
 
-def completion(client: openai.OpenAI, i: int) -> str:
-    return client.completions.create(model="bart", prompt=f"The city council met on day {i}.", max_tokens=16,
-                                     temperature=0).choices[0].text
+def completion(client: openai.OpenAI, i: int, extra: dict | None = None) -> str:
+    kwargs = {"max_tokens": 16, **(extra or {})}
+    return client.completions.create(model="bart", prompt=f"The city council met on day {i}.", temperature=0,
+                                     **kwargs).choices[0].text
 
 
 def test_two_replicas_serve_the_openai_client_and_survive_one_dying(ray_cluster, bart_path, make_llm):
     """Ray Serve with 2 BART replicas behind the OpenAI routes: the official client gets the
     single-process answers, whole and streamed, with the API key enforced; /metrics sums both replicas;
-    after one replica is SIGKILLed mid-request, that request fails with a 5xx or succeeds, none hangs,
-    and the next requests succeed."""
+    the replica holding a long streamed request is SIGKILLed mid-stream: that stream fails (it does not
+    end as if complete), the other long requests in flight end with 200 or a 5xx (none hangs), and the
+    next requests succeed."""
     server = distributed.serve(str(bart_path), replicas=2, port=free_port(), served_model_name="bart", engine=BART_KV,
                                limits=ServerLimits(api_key="secret"), shutdown_timeout=5)
     try:
@@ -209,16 +216,29 @@ def test_two_replicas_serve_the_openai_client_and_survive_one_dying(ray_cluster,
         summed = int(re.search(r'^encdec_kv_blocks_total\{pool="device"\} (\d+)$', metrics, re.M).group(1))
         assert len(pids) == 2 and len(per_replica) == 2 and summed == sum(per_replica) == 2 * 400
 
+        # Long requests in flight on both replicas; a streamed one names its replica (x-encdec-replica, the
+        # `replica` label of /metrics): SIGKILL that replica once the stream's first chunk arrives.
+        pid_of = dict(re.findall(r'encdec_replica_info\{replica="([^"]+)",pid="(\d+)"', metrics))
         statuses: list = []
-        threads = [threading.Thread(target=lambda i=i: statuses.append(status_of(client, i))) for i in range(6)]
+        threads = [threading.Thread(target=lambda i=i: statuses.append(status_of(client, i, LONG))) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.3)
-        os.kill(pids[0], signal.SIGKILL)
+        body = {"model": "bart", "prompt": "The harbour was quiet.", "stream": True, "temperature": 0,
+                "max_tokens": LONG["max_tokens"], **LONG["extra_body"]}
+        with post_stream(server.url, {**body, "max_tokens": 16, "min_tokens": 0}) as response:
+            assert rest_of_stream(response.iter_lines()) == "done"  # how a stream that nothing stops ends
+        with post_stream(server.url, body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(int(pid_of[response.headers["x-encdec-replica"]]), signal.SIGKILL)
+            end = rest_of_stream(lines)
+        # Its 200 went out with the first chunk: the stream breaks, or stops without a finish_reason and
+        # without "data: [DONE]", never as a complete answer.
+        assert end in ("broken", "stopped"), end
         for t in threads:
             t.join(timeout=180)
-        assert len(statuses) == 6 and all(s == 200 or s >= 500 for s in statuses), statuses
         print("statuses of the requests in flight when a replica died:", statuses)
+        assert len(statuses) == 4 and all(s == 200 or s >= 500 for s in statuses), statuses
         for i in range(4):  # new requests go to the live replica (and Serve's replacement)
             assert completion(client, i)
     finally:
@@ -231,11 +251,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def status_of(client: openai.OpenAI, i: int) -> int:
+LONG = {"max_tokens": 240, "extra_body": {"min_tokens": 240}}  # about a second of decoding each
+
+
+def post_stream(url: str, body: dict):
+    return httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120,
+                        headers={"Authorization": "Bearer secret"})
+
+
+def rest_of_stream(lines) -> str:
+    """How an SSE stream of completions ends: "done" ([DONE] after a finish_reason), "stopped" (it ends
+    without them) or "broken" (the connection fails)."""
+    finished = done = False
     try:
-        completion(client, i)
+        for line in lines:
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                finished |= json.loads(line[6:])["choices"][0]["finish_reason"] is not None
+    except httpx.HTTPError as e:
+        print("the stream of the killed replica broke:", repr(e))
+        return "broken"
+    return "done" if finished and done else "stopped"
+
+
+def status_of(client: openai.OpenAI, i: int, extra: dict | None = None) -> int:
+    try:
+        completion(client, i, extra)
         return 200
     except openai.APIStatusError as e:
+        print(f"a request in flight on the killed replica: {e.status_code} {e.response.text!r}")
         return e.status_code
     except openai.APIConnectionError:
         return 599  # the connection broke: a failure the client sees at once, as a 5xx

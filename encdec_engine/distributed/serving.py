@@ -67,6 +67,25 @@ class ReplicaMetrics(Metrics):
         return merge({self.replica: self.own(engine, admission), **self.others})
 
 
+class ReplicaHeader:
+    """ASGI middleware: every response says which replica made it (`x-encdec-replica`, the `replica`
+    label of /metrics), so a client or a test can tell the replicas apart."""
+
+    def __init__(self, app, replica: str) -> None:
+        self.app, self.header = app, (b"x-encdec-replica", replica.encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 class EngineReplica:
     """One Serve replica: an engine and the server's app (wrapped by `serve.ingress` in `_deployment`)."""
 
@@ -89,8 +108,10 @@ class EngineReplica:
         app = build_app(resolve_model(self.model), limits=self.limits, served_model_name=self.served_model_name,
                         shutdown_timeout=self.shutdown_timeout, **self.engine)
         self.state = app.state.server
-        self.state.metrics = ReplicaMetrics(serve.get_replica_context().replica_id.unique_id)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.state.metrics = ReplicaMetrics(replica)
         self.reporter = asyncio.get_running_loop().create_task(self._report())
+        app.add_middleware(ReplicaHeader, replica=replica)
         return app
 
     async def _report(self) -> None:
