@@ -134,7 +134,7 @@ def report(args, load_s: float, run_s: float, cluster_s: float, one_s: float, tw
     print(f"  Ray 2 workers: {two_s:.1f} s wall; speed-up {one_s / two_s:.2f}x, scaling efficiency {efficiency:.0%} "
           f"(without the fixed overhead {steady_efficiency:.0%})")
     if run_s < ray_overhead_s:
-        print(f"  (the run is shorter than the fixed overhead: the figures without it are noise; use more inputs)")
+        print("  (the run is shorter than the fixed overhead: the figures without it are noise; use more inputs)")
     if audio_s:
         print(f"  audio: {audio_s:.0f} s; 2 workers: {audio_s / two_s:.1f} audio s per s")
     workers = 64

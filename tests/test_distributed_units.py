@@ -4,6 +4,7 @@ merged metrics, the CLI flags, the worker's model check, and the package working
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -200,3 +201,26 @@ def test_the_package_imports_and_runs_without_ray(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert "scaling out needs Ray" in r.stderr and "pip install 'encdec-engine[ray]'" in r.stderr
+
+
+def test_progress_counts_the_whole_job_and_the_audio_rate(tmp_path, monkeypatch, capsys):
+    """The driver's bar: inputs done over all inputs (resumed ones start it), audio done and audio hours
+    per hour; a second row for an id (a retried batch) is dropped, not counted. The cluster is faked."""
+    from contextlib import nullcontext
+
+    from encdec_engine.distributed import jobs
+    from encdec_engine.distributed.cluster import ClusterOptions
+    from encdec_engine.distributed.inputs import JobInput
+
+    inputs = [JobInput(f"c{i}", {"audio": f"c{i}.wav"}, f"c{i}") for i in range(4)]
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps({"id": "c0", "text": "done before", "duration": 90.0, "error": None}) + "\n")
+    row = lambda i: {"id": f"c{i}", "text": "t", "duration": 1800.0, "error": None}  # noqa: E731
+    monkeypatch.setattr(jobs, "connect", lambda cluster: nullcontext(1))
+    monkeypatch.setattr(jobs, "_stream", lambda job, pending, cluster, n: iter([row(1), row(2), row(1), row(3)]))
+    job = jobs.Job("transcribe", inputs)
+    rows = list(jobs.run(job, ClusterOptions(), jobs.Outputs(str(results), resume=True, unit="file")))
+    assert [r["id"] for r in rows] == ["c0", "c1", "c2", "c3"]
+    assert [r["id"] for r in read_rows(results)] == ["c0", "c1", "c2", "c3"]
+    bar = capsys.readouterr().err.split("\r")[-1]
+    assert "4/4" in bar and "audio 1.50 h" in bar and re.search(r"\d+\.\d h/h", bar), bar
