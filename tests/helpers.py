@@ -212,15 +212,17 @@ def record_requests(engine, monkeypatch) -> list[tuple[None, dict, object]]:
     return added
 
 
-class MissingOneToken:
-    """A tokenizer that cannot convert one token id to its token (convert_ids_to_tokens gives None),
-    like a tokenizer without Whisper's timestamp tokens; everything else is the wrapped tokenizer's."""
+class BrokenOnOneToken:
+    """A tokenizer that raises (TypeError) converting one token id; everything else is the wrapped tokenizer's.
+    It stands for any fault in one request's output processing."""
 
     def __init__(self, tokenizer, token_id: int) -> None:
         self.tokenizer, self.token_id = tokenizer, token_id
 
     def convert_ids_to_tokens(self, ids):
-        return [None if i == self.token_id else t for i, t in zip(ids, self.tokenizer.convert_ids_to_tokens(ids))]
+        if self.token_id in ids:
+            raise TypeError(f"injected: no token for id {self.token_id}")
+        return self.tokenizer.convert_ids_to_tokens(ids)
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from helpers import MissingOneToken
+from helpers import BrokenOnOneToken
 
 from encdec_engine import SamplingParams
 from encdec_engine.config import EngineConfig
@@ -489,7 +489,7 @@ def test_a_failing_request_gets_a_500_with_a_request_id_and_the_others_go_on(bar
     tokenizer = bart_server.engine.engine.tokenizer
 
     detok = bart_server.on_engine(lambda e: e.output_processor.detokenizer)
-    bart_server.on_engine(lambda e: setattr(detok, "tokenizer", MissingOneToken(tokenizer, bad_id)))
+    bart_server.on_engine(lambda e: setattr(detok, "tokenizer", BrokenOnOneToken(tokenizer, bad_id)))
     try:
         with ThreadPoolExecutor(2) as pool, caplog.at_level("ERROR"):
             answers = list(pool.map(lambda p: httpx.post(f"{bart_server.url}/v1/completions", headers=AUTH,
