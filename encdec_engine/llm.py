@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from tqdm.auto import tqdm
 
 from encdec_engine.config import EngineConfig
 from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.inputs.prompts import PromptType
+from encdec_engine.models.model_names import DEFAULT_MODEL
 from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.speech.offline import transcribe_offline
+from encdec_engine.speech.audio import audio_inputs
+from encdec_engine.speech.offline import TranscriptionUpdate, stream_transcriptions
 from encdec_engine.speech.options import TranscribeOptions
-from encdec_engine.speech.results import Transcription
+from encdec_engine.speech.results import Segment, Transcription
 
 
 class LLM:
@@ -23,11 +26,28 @@ class LLM:
     >>> llm = LLM(model="path/to/bart")
     >>> outs = llm.generate(["A long document ..."], SamplingParams(temperature=0.0, max_tokens=64))
     >>> outs[0].outputs[0].text
+
+    `model` is a checkpoint folder, a short Whisper name found offline (`tiny.en`, `base`, ...,
+    `turbo`: see models/model_names.py) or a hub id; the default is tiny.en, bundled. `kwargs` are
+    EngineConfig fields, e.g. `threads=N` (torch's CPU threads; default: the cores this process may use).
     """
 
-    def __init__(self, model: str, **kwargs) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._request_ids = itertools.count()
+        self._busy: str | None = None  # what holds the engine: one run steps it at a time
+
+    @contextmanager
+    def _exclusive(self, what: str):
+        # A paused transcription stream has requests in the engine; another run would step (and take) them.
+        if self._busy is not None:
+            raise RuntimeError(f"this LLM is busy with an unfinished {self._busy}; finish iterating it or close() "
+                               "it first")
+        self._busy = what
+        try:
+            yield
+        finally:
+            self._busy = None
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -54,7 +74,8 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        return self._run(prompts, params, use_tqdm)
+        with self._exclusive("generate"):
+            return self._run(prompts, params, use_tqdm)
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
@@ -93,8 +114,36 @@ class LLM:
         """Transcribe audio files (any format librosa reads), arrays at 16 kHz, or (samples, sample_rate)
         pairs. Returns one Transcription per input in input order; an input that cannot be read gets
         `error` set while the others are still transcribed. `options` are TranscribeOptions fields."""
-        return transcribe_offline(self.engine, TranscribeOptions(language=language, task=task, **options), audio,
-                                  use_tqdm=use_tqdm, max_in_flight=max_in_flight)
+        done = self.transcribe_iter(audio, language, task, use_tqdm, max_in_flight, **options)
+        return sorted(done, key=lambda t: t.index)
+
+    def transcribe_iter(self, audio, language: str | None = None, task: str = "transcribe", use_tqdm: bool = False,
+                        max_in_flight: int | None = None, **options) -> Iterator[Transcription]:
+        """As `transcribe`, but yields each input's Transcription as soon as it is done: in completion
+        order, not input order (`Transcription.index` is the input's position). Lazy: the engine runs
+        only while you iterate; leaving the loop early aborts the rest and frees its KV blocks."""
+        for update in self._updates(audio, TranscribeOptions(language=language, task=task, **options), use_tqdm,
+                                    max_in_flight, "transcribe_iter"):
+            if update.transcription is not None:
+                yield update.transcription
+
+    def transcribe_segments(self, audio, language: str | None = None, task: str = "transcribe",
+                            **options) -> SegmentStream:
+        """One input's segments as they are decoded (faster-whisper's lazy `segments` generator): each
+        window is decoded when iteration reaches it, its segments yielded in time order. The stream's
+        `language` and `duration` are set once known (before the first segment), `transcription` at the
+        end. An input that cannot be read raises ValueError when iteration starts."""
+        inputs = audio_inputs(audio)
+        if len(inputs) != 1:
+            raise ValueError(f"transcribe_segments takes one input, got {len(inputs)}; transcribe_iter takes several")
+        options = TranscribeOptions(language=language, task=task, **options)
+        return SegmentStream(self._updates(inputs, options, False, None, "transcribe_segments stream"))
+
+    def _updates(self, audio, options: TranscribeOptions, use_tqdm: bool, max_in_flight: int | None,
+                 what: str) -> Iterator[TranscriptionUpdate]:
+        with self._exclusive(what):
+            yield from stream_transcriptions(self.engine, options, audio, use_tqdm=use_tqdm,
+                                             max_in_flight=max_in_flight)
 
     def summarize(self, texts: str | Sequence[str], use_tqdm: bool = False, **overrides) -> list[str]:
         """Summaries exactly as HF `generate` makes them with the checkpoint's generation config
@@ -118,6 +167,37 @@ class LLM:
         if failed:
             raise RuntimeError(f"summarizing failed for {'; '.join(failed)}")
         return [o.outputs[0].text.strip() for o in outs]
+
+
+class SegmentStream:
+    """An iterator of one input's Segments, decoded as it is iterated (see `LLM.transcribe_segments`)."""
+
+    def __init__(self, updates: Iterator[TranscriptionUpdate]) -> None:
+        self._updates = updates
+        self._ready: list[Segment] = []
+        self.language: str | None = None  # known with the first segment (detected, or as asked)
+        self.duration: float | None = None  # seconds of audio
+        self.transcription: Transcription | None = None  # the whole result, once iteration has ended
+
+    def __iter__(self) -> SegmentStream:
+        return self
+
+    def __next__(self) -> Segment:
+        while not self._ready:
+            update = next(self._updates)  # StopIteration ends the stream
+            done = update.transcription
+            if done is not None:
+                if done.error is not None:
+                    raise ValueError(done.error)
+                self.transcription, self.language, self.duration = done, done.language, done.duration
+            self._ready = list(update.segments)
+            if self._ready and self.language is None:
+                self.language, self.duration = update.language, update.duration
+        return self._ready.pop(0)
+
+    def close(self) -> None:
+        """Stop decoding: the requests in flight are aborted and the engine is free for other calls."""
+        self._updates.close()
 
 
 def summarization_params(engine: LLMEngine, **overrides) -> SamplingParams:

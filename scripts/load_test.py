@@ -9,7 +9,14 @@ completions of the bundled documents (some streamed). Prints p50/p99 latency per
 throughput and errors; exits 1 unless there were no errors and, once idle, every server
 reports no request in its queues and no KV block in use (read from /metrics).
 
+With --hostile-share F, a share F of extra requests are hostile (huge lists, seeds out of range,
+an oversized prompt, uploads cut off mid-body, clients that leave mid-stream); they must be refused
+with a 4xx or cleanly dropped, never a 5xx. --compare runs the good requests alone first, then
+with the hostile share, and exits 1 unless the good ones had no error in both runs and their p99
+latency with the hostile share is within 1.5x of the p99 without.
+
     python scripts/load_test.py --requests 48 --concurrency 8
+    python scripts/load_test.py --requests 48 --concurrency 8 --hostile-share 0.25 --compare
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import re
 import signal
 import socket
@@ -126,9 +134,77 @@ class Client:
         return out.usage.completion_tokens
 
 
-async def run_load(client: Client, num_requests: int, concurrency: int, timeout: float) -> list[tuple]:
+class Hostile:
+    """Requests a careless or hostile client sends. Each returns what the server did ("400", "429",
+    "dropped"...); a 5xx raises, as an error of the run."""
+
+    KINDS = ("huge_lists", "bad_seed", "huge_prompt", "truncated_upload", "leaves_stream", "leaves_upload")
+
+    def __init__(self, client: Client, whisper_url: str, bart_url: str, api_key: str) -> None:
+        self.client, self.whisper_url, self.bart_url = client, whisper_url, bart_url
+        self.auth = {"Authorization": f"Bearer {api_key}"}
+
+    async def send(self, kind: str, i: int) -> str:
+        return await getattr(self, kind)(i)
+
+    async def _post(self, body: dict) -> str:
+        async with httpx.AsyncClient(timeout=300) as http:
+            r = await http.post(f"{self.bart_url}/v1/completions", json={"model": "bart", **body}, headers=self.auth)
+        if r.status_code >= 500:
+            raise RuntimeError(f"{r.status_code} for a hostile request: {r.text[:200]}")
+        return str(r.status_code)
+
+    async def huge_lists(self, i: int) -> str:
+        field = ("stop", "stop_token_ids", "bad_words", "logit_bias")[i % 4]
+        value = {"stop": ["x"] * 100_000, "stop_token_ids": [5] * 100_000, "bad_words": ["w"] * 100_000,
+                 "logit_bias": {str(t): 1 for t in range(100_000)}}[field]
+        return await self._post({"prompt": "A huge list.", "max_tokens": 4, field: value})
+
+    async def bad_seed(self, i: int) -> str:
+        return await self._post({"prompt": "A seed out of range.", "max_tokens": 4, "seed": 2**64 + i})
+
+    async def huge_prompt(self, i: int) -> str:
+        return await self._post({"prompt": "word " * 400_000, "max_tokens": 4})
+
+    async def truncated_upload(self, i: int) -> str:
+        """Headers that promise a whole clip, half of it, then the connection closes."""
+        data = self.client.clips[i % len(self.client.clips)]
+        url = urlparse(self.whisper_url)
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        head = (f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Length: {len(data) + 200}"
+                f"\r\nAuthorization: {self.auth['Authorization']}\r\n"
+                "Content-Type: multipart/form-data; boundary=cut\r\n\r\n--cut\r\n"
+                'Content-Disposition: form-data; name="file"; filename="cut.wav"\r\n\r\n')
+        writer.write(head.encode() + data[: len(data) // 2])
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        return "dropped"
+
+    async def leaves_stream(self, i: int) -> str:
+        """A streamed completion left after its first chunk."""
+        chunks = await self.client.bart.completions.create(model="bart", prompt=self.client.paragraphs[i % len(self.client.paragraphs)],
+                                                           max_tokens=64, temperature=0.0, stream=True)
+        async for _ in chunks:
+            break
+        await chunks.close()
+        return "left"
+
+    async def leaves_upload(self, i: int) -> str:
+        """A streamed transcription left after its first event."""
+        name, data = CLIPS[i % len(CLIPS)], self.client.clips[i % len(self.client.clips)]
+        events = await self.client.whisper.audio.transcriptions.create(model="whisper-1", file=(name, data),
+                                                                      stream=True)
+        async for _ in events:
+            break
+        await events.close()
+        return "left"
+
+
+async def run_load(client: Client, num_requests: int, concurrency: int, timeout: float,
+                   hostile: Hostile | None = None, hostile_share: float = 0.0) -> list[tuple]:
     gate = asyncio.Semaphore(concurrency)
-    results: list[tuple] = []  # (kind, seconds, error or None)
+    results: list[tuple] = []  # (kind, seconds, error or None, hostile outcome or None)
 
     async def one(i: int) -> None:
         kind = ("transcription", "completion")[i % 2]
@@ -140,9 +216,23 @@ async def run_load(client: Client, num_requests: int, concurrency: int, timeout:
                 error = None
             except Exception as e:  # counted, reported below
                 error = f"{type(e).__name__}: {e}"
-            results.append((kind + (" (stream)" if stream else ""), time.monotonic() - start, error))
+            results.append((kind + (" (stream)" if stream else ""), time.monotonic() - start, error, None))
 
-    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(num_requests))), timeout)
+    async def bad(i: int, kind: str) -> None:
+        async with gate:
+            start = time.monotonic()
+            try:
+                outcome, error = await hostile.send(kind, i), None
+            except Exception as e:
+                outcome, error = None, f"{type(e).__name__}: {e}"
+            results.append((f"hostile {kind}", time.monotonic() - start, error, outcome))
+
+    rng = random.Random(0)
+    num_hostile = round(num_requests * hostile_share / (1 - hostile_share)) if hostile is not None else 0
+    work = [one(i) for i in range(num_requests)] + [bad(i, Hostile.KINDS[i % len(Hostile.KINDS)])
+                                                    for i in range(num_hostile)]
+    rng.shuffle(work)  # the hostile requests arrive among the good ones
+    await asyncio.wait_for(asyncio.gather(*work), timeout)
     return results
 
 
@@ -152,20 +242,30 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def report(results: list[tuple], wall: float, tokens: float, audio_seconds: float) -> int:
+def report(results: list[tuple], wall: float, tokens: float, audio_seconds: float) -> tuple[int, float]:
+    """Prints the run; returns (errors, p99 latency of the good requests)."""
     errors = [r for r in results if r[2] is not None]
-    print(f"\n{len(results)} requests in {wall:.1f} s: {len(results) / wall:.2f} req/s, "
-          f"{tokens / wall:.1f} generated tokens/s, {audio_seconds / wall:.1f} s of audio per s; "
-          f"errors: {len(errors)}")
-    print(f"{'kind':<26}{'n':>4}{'p50 s':>9}{'p99 s':>9}{'max s':>9}")
-    kinds = sorted({r[0] for r in results}) + ["all"]
+    good = [r for r in results if not r[0].startswith("hostile")]
+    print(f"\n{len(good)} good requests (+{len(results) - len(good)} hostile) in {wall:.1f} s: "
+          f"{len(good) / wall:.2f} req/s, {tokens / wall:.1f} generated tokens/s, "
+          f"{audio_seconds / wall:.1f} s of audio per s; errors: {len(errors)}")
+    print(f"{'kind':<30}{'n':>4}{'p50 s':>9}{'p99 s':>9}{'max s':>9}")
+    kinds = sorted({r[0] for r in good}) + ["all good"]
     for kind in kinds:
-        lat = [r[1] for r in results if (kind == "all" or r[0] == kind) and r[2] is None]
+        lat = [r[1] for r in good if (kind == "all good" or r[0] == kind) and r[2] is None]
         if lat:
-            print(f"{kind:<26}{len(lat):>4}{percentile(lat, 50):>9.2f}{percentile(lat, 99):>9.2f}{max(lat):>9.2f}")
-    for kind, _, error in errors[:10]:
+            print(f"{kind:<30}{len(lat):>4}{percentile(lat, 50):>9.2f}{percentile(lat, 99):>9.2f}{max(lat):>9.2f}")
+    outcomes: dict[str, dict[str, int]] = {}
+    for kind, _, _, outcome in results:
+        if outcome is not None:
+            outcomes.setdefault(kind, {}).setdefault(outcome, 0)
+            outcomes[kind][outcome] += 1
+    for kind, counts in sorted(outcomes.items()):
+        print(f"{kind:<30}" + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    for kind, _, error, _ in errors[:10]:
         print(f"error ({kind}): {error}")
-    return len(errors)
+    good_latency = [r[1] for r in good if r[2] is None]
+    return len(errors), percentile(good_latency, 99) if good_latency else float("inf")
 
 
 def main() -> int:
@@ -180,9 +280,15 @@ def main() -> int:
     parser.add_argument("--api-key", default="load-test-key")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="servers recompute every encoder output (the clips repeat, so caching hits)")
+    parser.add_argument("--hostile-share", type=float, default=0.0,
+                        help="share of all requests that are hostile (added to --requests good ones)")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the good requests alone first; gate: with the hostile share, p99 <= 1.5x")
     args = parser.parse_args()
     if not 1 <= args.requests <= 10_000 or not 1 <= args.concurrency <= 512:
         raise SystemExit("--requests must be in [1, 10000] and --concurrency in [1, 512]")
+    if not 0 <= args.hostile_share < 1:
+        raise SystemExit("--hostile-share must be in [0, 1)")
     for url in (args.whisper_url, args.bart_url):
         if url and urlparse(url).hostname not in LOOPBACK:
             raise SystemExit(f"{url}: this load test only talks to loopback servers")
@@ -211,18 +317,42 @@ def main() -> int:
         bart_url = serve(bart_model, args.bart_url, "bart", ["--kv-cache-space-gb", "0.25"])
         for url in (whisper_url, bart_url):
             wait_healthy(url, procs.get(url))
-        client = Client(whisper_url, bart_url, args.api_key)
         audio_seconds = sum(_duration(CLIPS[(i // 2) % len(CLIPS)]) for i in range(0, args.requests, 2))
         def generated() -> float:
             return sum(read_metrics(u, args.api_key).get("encdec_generated_tokens_total", 0)
                        for u in (whisper_url, bart_url))
 
-        before = generated()
-        start = time.monotonic()
-        results = asyncio.run(run_load(client, args.requests, args.concurrency, args.timeout))
-        wall = time.monotonic() - start
-        tokens = generated() - before
-        errors = report(results, wall, tokens, audio_seconds)
+        async def session(num_requests: int, share: float) -> list[tuple]:
+            client = Client(whisper_url, bart_url, args.api_key)  # its connections belong to this event loop
+            hostile = Hostile(client, whisper_url, bart_url, args.api_key) if share else None
+            try:
+                return await run_load(client, num_requests, args.concurrency, args.timeout, hostile, share)
+            finally:
+                await client.whisper.close()
+                await client.bart.close()
+
+        def run(share: float) -> tuple[int, float]:
+            before = generated()
+            start = time.monotonic()
+            results = asyncio.run(session(args.requests, share))
+            wall = time.monotonic() - start
+            return report(results, wall, generated() - before, audio_seconds)
+
+        warm = asyncio.run(session(min(args.requests, 2 * args.concurrency), 0.0))  # first calls are slow
+        if any(r[2] for r in warm):
+            print(f"warm-up error: {next(r[2] for r in warm if r[2])}")
+        errors, slow = 0, False
+        if args.compare:
+            print("== the good requests alone")
+            errors, p99_alone = run(0.0)
+            print(f"== with a hostile share of {args.hostile_share:g}")
+        more_errors, p99 = run(args.hostile_share)
+        errors += more_errors
+        if args.compare:
+            ratio = p99 / p99_alone
+            slow = ratio > 1.5
+            print(f"p99 of the good requests: {p99:.2f} s with the hostile share vs {p99_alone:.2f} s without: "
+                  f"{ratio:.2f}x ({'over' if slow else 'within'} the 1.5x bound)")
         for url in (whisper_url, bart_url):
             cache = {k: v for k, v in read_metrics(url, args.api_key).items()
                      if k.startswith("encdec_prefix_cache_total")}
@@ -233,7 +363,7 @@ def main() -> int:
             print(f"not idle after the load: {msg}")
         if not leaks:
             print("after the load: no request queued or running, every KV block free (self and cross)")
-    return 1 if errors or leaks else 0
+    return 1 if errors or leaks or slow else 0
 
 
 def _duration(name: str) -> float:

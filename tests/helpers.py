@@ -182,6 +182,16 @@ def make_view(q_lens, k_lens, causal: bool, **kw):
     return AttentionView.from_arrays(np.concatenate([[0], np.cumsum(q_lens)]), k_lens, causal, **kw)
 
 
+def naive_attention(q, k, v, scale, mask=None):
+    """q: [T, H, D], k/v: [Tk, Hkv, D], mask: [T, Tk] additive; fp64 for a clean reference."""
+    rep = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = torch.einsum("thd,khd->htk", q, k) * scale
+    if mask is not None:
+        scores = scores + mask.double()
+    return torch.einsum("htk,khd->thd", scores.softmax(-1), v)
+
+
 def assert_preemption_keeps_outputs(make_llm, path, prompts, params, **tight) -> None:
     """An engine built with `tight` (a pool too small for the batch; swap_space_gb to swap) preempts,
     and still gives the tokens of a roomy pool."""
@@ -210,6 +220,20 @@ def record_requests(engine, monkeypatch) -> list[tuple[None, dict, object]]:
 
     monkeypatch.setattr(engine, "process_request", recording_process)
     return added
+
+
+class MissingOneToken:
+    """A tokenizer that has no token for one id (convert_ids_to_tokens gives None), like a tokenizer
+    without Whisper's timestamp tokens; everything else is the wrapped tokenizer's."""
+
+    def __init__(self, tokenizer, token_id: int) -> None:
+        self.tokenizer, self.token_id = tokenizer, token_id
+
+    def convert_ids_to_tokens(self, ids):
+        return [None if i == self.token_id else t for i, t in zip(ids, self.tokenizer.convert_ids_to_tokens(ids))]
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
 
 
 class BrokenOnOneToken:

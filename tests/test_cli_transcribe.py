@@ -12,9 +12,10 @@ SRT_TIME = re.compile(r"^(\d\d):(\d\d):(\d\d),(\d\d\d) --> (\d\d):(\d\d):(\d\d),
 VTT_TIME = re.compile(r"^(?:(\d\d):)?(\d\d):(\d\d)\.(\d\d\d) --> (?:(\d\d):)?(\d\d):(\d\d)\.(\d\d\d)$")
 
 
-def encdec(*args: str) -> subprocess.CompletedProcess:
+def encdec(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess; by default (as openai-whisper) it writes every format into `cwd`."""
     return subprocess.run([sys.executable, "-m", "encdec_engine.entrypoints.cli", *args], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+                          text=True, timeout=600, cwd=cwd)
 
 
 def seconds(groups) -> tuple[float, float]:
@@ -62,10 +63,26 @@ def test_transcribe_all_formats_and_a_bad_file(tmp_path):
     assert tsv[0] == "start\tend\ttext" and len(tsv) == len(result["segments"]) + 1
 
 
-def test_transcribe_prints_text_with_the_default_model():
-    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet", "--no-speech-threshold", "none")
+def test_transcribe_prints_text_and_writes_every_format_here_by_default(tmp_path):
+    """openai-whisper's defaults: no --output-dir / --output-format writes all formats to the current folder;
+    the transcript is printed too."""
+    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--no-speech-threshold", "none", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "beautiful day to go for a walk in the park" in r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"weather.{ext}" for ext in sorted(
+        ("txt", "vtt", "srt", "tsv", "json"))]
+    assert (tmp_path / "weather.txt").read_text().strip() in r.stdout
+
+
+def test_int8_weights_and_cache_from_the_command_line(tmp_path):
+    """faster-whisper's --compute-type int8 spelling and --kv-cache-dtype int8; a compute type the engine
+    does not run is refused with a message naming it."""
+    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet", "--compute-type", "int8",
+               "--kv-cache-dtype", "int8", "-f", "txt", "-o", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "beautiful day to go for a walk in the park" in (tmp_path / "weather.txt").read_text()
+    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet", "--compute-type", "int16", cwd=tmp_path)
+    assert r.returncode == 2 and "--compute-type int16" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_bad_destinations_and_options_fail_before_any_work(tmp_path):
@@ -104,8 +121,8 @@ def test_subtitle_flags_are_refused_before_any_work(capsys):
          "max_line_count needs max_line_width"),
         (["--word-timestamps", "--output-format", "srt", "--max-line-width", "42", "--max-words-per-line", "3"],
          "max_words_per_line and max_line_width exclude each other"),
-        (["--word-timestamps", "--highlight-words"], "only shape srt and vtt files"),
         (["--word-timestamps", "--highlight-words", "--output-format", "txt"], "only shape srt and vtt files"),
+        (["--word_timestamps", "True", "--highlight_words", "True", "-f", "json"], "only shape srt and vtt files"),
     ]
     for args, message in cases:
         assert main(["transcribe", *clip, *args]) == 2

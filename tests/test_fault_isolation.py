@@ -16,7 +16,7 @@ import asyncio
 import random
 
 import pytest
-from helpers import BrokenOnOneToken
+from helpers import BrokenOnOneToken, MissingOneToken
 
 from encdec_engine import SamplingParams
 from encdec_engine.engine.async_engine import AsyncLLMEngine, RequestFailedError
@@ -154,6 +154,19 @@ def test_a_fault_in_one_requests_output_processing_fails_it_alone(llm, reference
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error" and "TypeError" in outs[0].error
     assert tokens(outs)[1:] == expected[1:] and all(o.error is None for o in outs[1:])
+
+
+def test_a_token_the_tokenizer_has_no_string_for_adds_no_text(llm, reference, monkeypatch):
+    """A tokenizer returning None for one id (the issue: one without timestamp tokens) used to make
+    Detokenizer.step raise and every request in flight fail; now that token adds no text, as in vLLM,
+    and every request decodes its reference tokens."""
+    prompts = fresh_prompts(6)
+    expected = reference(prompts)
+    bad_id = expected[0][0]
+    detok = llm.engine.output_processor.detokenizer
+    monkeypatch.setattr(detok, "tokenizer", MissingOneToken(detok.tokenizer, bad_id))
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert tokens(outs) == expected and all(o.error is None for o in outs)
 
 
 def test_async_callers_of_a_failed_batch_get_the_error_and_the_engine_serves_on(bart_path, make_llm, reference,

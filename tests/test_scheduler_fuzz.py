@@ -7,6 +7,7 @@ except one that outgrows the tight pool or prefill budget: it ends early as "len
 prefix of its roomy output. Leaks are checked after every test (conftest).
 """
 
+import os
 import random
 
 import pytest
@@ -52,7 +53,8 @@ def run(engine, requests) -> dict[str, list[tuple[list[int], str]]]:
     return finished
 
 
-@pytest.mark.parametrize("seed", range(40))
+# ENCDEC_FUZZ_SEEDS=2000 for a longer run than CI's 40 workloads.
+@pytest.mark.parametrize("seed", range(int(os.environ.get("ENCDEC_FUZZ_SEEDS", "40"))))
 def test_tight_pools_give_the_roomy_outputs(seed, bart_path, make_llm):
     rng = random.Random(seed)
     requests = workload(rng)

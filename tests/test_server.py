@@ -71,9 +71,10 @@ class LiveServer:
         while True:
             busy, free, total = self.on_engine(
                 lambda e: (e.has_unfinished_requests(), e.num_free_blocks(), e.num_total_blocks()))
-            if not busy and free == total and self.state.admission.waiting == 0:
+            memory = self.state.audio_memory.used
+            if not busy and free == total and self.state.admission.waiting == 0 and memory == 0:
                 break
-            assert time.monotonic() < deadline, f"leak: busy={busy} free={free} total={total}"
+            assert time.monotonic() < deadline, f"leak: busy={busy} free={free} total={total} audio bytes={memory}"
             time.sleep(0.05)
         assert httpx.get(f"{self.url}/health", timeout=10).status_code == 200
 
@@ -329,6 +330,7 @@ BAD_AUDIO = [
     (_multipart(stream="true", chunking_strategy="auto"), 400, "chunking_strategy is not supported with stream"),
     (_multipart(chunking_strategy="server_vad"), 400, "chunking_strategy"),
     (_multipart(language="fr"), 400, "English-only"),
+    (_multipart(language="xx"), 400, "'xx' is not a language Whisper knows"),
     (_multipart(model="gpt-4o"), 404, "not served here"),
     (_multipart(file=b"RIFF garbage, not audio" * 50), 400, "cannot decode"),
     (_multipart(file=b""), 400, "empty"),
@@ -657,7 +659,7 @@ def _accepts_connections(url: str) -> bool:
 
 def test_serve_command_defaults():
     args = build_parser().parse_args(["serve"])
-    assert (args.host, args.port, args.api_key, args.model) == ("127.0.0.1", 8000, None, None)
+    assert (args.host, args.port, args.api_key, args.model, args.threads) == ("127.0.0.1", 8000, None, "tiny.en", 0)
     args = build_parser().parse_args(["serve", "--port", "0", "--max-queue", "4", "--api-key", "k"])
     assert (args.port, args.max_queue, args.api_key) == (0, 4, "k")
 
@@ -669,3 +671,104 @@ def test_top_logprobs_rank_likeliest_first_and_keep_it_on_equal_text():
     lp = completion_logprobs([2], [{2: -0.1, 3: -5.0, 4: -2.0, 1: -3.0}], pieces.__getitem__)
     assert list(lp.top_logprobs[0].items()) == [("\ufffd", -0.1), ("b", -2.0), ("a", -3.0)]
     assert lp.token_logprobs == [-0.1]
+
+
+# -- memory held by transcriptions (issue 14: bounded resources) ----------------------------
+def until(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_an_upload_is_admitted_before_its_body_is_read(whisper_server):
+    """A client still sending a 1 MB body holds 1 MB of the audio budget from its headers on; a second
+    upload that does not fit beside it gets 429 at once, and the first one's bytes come back when it
+    gives up."""
+    memory, wav = whisper_server.state.audio_memory, (AUDIO / "weather.wav").read_bytes()
+    limit = memory.limit
+    memory.limit = 1 << 20
+    host, port = whisper_server.url.removeprefix("http://").split(":")
+    slow = socket.create_connection((host, int(port)))
+    try:
+        slow.sendall(b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Length: 900000\r\n"
+                     b"Content-Type: multipart/form-data; boundary=b\r\n\r\n--b\r\n")
+        until(lambda: memory.used == 900000, "the slow upload's reservation")
+        with whisper_server.http() as http:
+            r = http.post("/v1/audio/transcriptions", files={"file": ("weather.wav", wav)}, data={"model": "whisper-1"})
+        assert r.status_code == 429 and "MB of audio" in r.json()["error"]["message"], r.text
+        assert r.headers["retry-after"] == "1"
+        metrics = httpx.get(f"{whisper_server.url}/metrics").text
+        assert 'encdec_audio_memory_bytes{kind="used"} 900000' in metrics
+        assert f'encdec_audio_memory_bytes{{kind="limit"}} {1 << 20}' in metrics
+    finally:
+        slow.close()
+        until(lambda: memory.used == 0, "the slow upload's bytes to come back")
+        memory.limit = limit
+    with whisper_server.http() as http:
+        r = http.post("/v1/audio/transcriptions", files={"file": ("weather.wav", wav)}, data={"model": "whisper-1"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_transcription_holds_its_audio_memory_until_it_ends(whisper_server, tmp_path):
+    """Not only until its first window runs (the queue slot): the samples and log-mel stay while the job
+    runs (two windows here), and so does their reservation."""
+    import soundfile
+
+    samples, rate = soundfile.read(AUDIO / "long_meeting.flac", dtype="float32")
+    soundfile.write(tmp_path / "45s.flac", samples[: 45 * rate], rate)
+    memory, held = whisper_server.state.audio_memory, []
+    with open(tmp_path / "45s.flac", "rb") as f:
+        for _ in whisper_server.client().audio.transcriptions.create(model="whisper-1", file=f, stream=True):
+            held.append(memory.used)
+    # At least the samples, at every event up to the last delta (the done event may race the release).
+    assert len(held) > 3 and min(held[:-1]) >= 45 * 16000 * 4, held
+    until(lambda: memory.used == 0, "the reservation to be released")
+
+
+def test_a_long_upload_is_refused_from_its_header_before_decoding(whisper_server, tmp_path, monkeypatch):
+    """A small low-bitrate file of two minutes (the limit here is 60 s): 413 from the duration ffmpeg
+    reads in the header, nothing decoded. An ffmpeg-only container (m4a) and a libsndfile one (ogg)."""
+    import subprocess
+
+    from encdec_engine.entrypoints.server_uploads import UploadedAudio
+
+    decoded = []
+    monkeypatch.setattr(UploadedAudio, "decode", lambda self: decoded.append(self.name))
+    for name, codec in (("long.m4a", ["-c:a", "aac", "-b:a", "16k"]), ("long.ogg", ["-c:a", "libvorbis"])):
+        path = tmp_path / name
+        subprocess.run(["ffmpeg", "-v", "error", "-f", "lavfi", "-i", "sine=frequency=300:duration=120",
+                        "-ar", "16000", "-ac", "1", *codec, str(path)], check=True)
+        with whisper_server.http() as http:
+            r = http.post("/v1/audio/transcriptions", files={"file": (name, path.read_bytes())},
+                          data={"model": "whisper-1"})
+        assert r.status_code == 413 and "audio is 120.0 s long" in r.json()["error"]["message"], r.text
+    assert decoded == []
+
+
+def test_per_request_cpu_work_runs_off_the_event_loop(whisper_server, monkeypatch):
+    """Tokenizing the prompt, aligning words (DTW) and planning windows happen in worker threads: on the
+    event loop they would stall every other stream."""
+    from encdec_engine.speech.requests import WindowRequests
+    from encdec_engine.speech.transcriber import Transcriber
+
+    on_loop = []
+
+    def record(fn):
+        def wrapper(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(fn.__name__)
+            except RuntimeError:
+                on_loop.append(False)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for cls, name in ((Transcriber, "start"), (Transcriber, "take"), (WindowRequests, "_initial_prompt_tokens")):
+        monkeypatch.setattr(cls, name, record(getattr(cls, name)))
+    with open(AUDIO / "weather.wav", "rb") as f:
+        got = whisper_server.client().audio.transcriptions.create(
+            model="whisper-1", file=f, prompt="A weather report.", response_format="verbose_json",
+            timestamp_granularities=["word"])
+    assert got.words and len(on_loop) >= 4
+    assert not any(on_loop), on_loop

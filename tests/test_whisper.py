@@ -170,7 +170,7 @@ def test_multilingual_detects_language_and_uses_task_tokens(tmp_path, make_llm):
     assert forced.language == "fr"
     tokens = llm.engine.input_processor.default_decoder_prompt
     assert tokens == [50257, 50259, 50359, 50362]  # sot, en, transcribe, notimestamps
-    with pytest.raises(ValueError, match="unknown language"):
+    with pytest.raises(ValueError, match="'xx' is not a language Whisper knows"):
         llm.transcribe(AUDIO / "coffee.wav", language="xx")
 
 

@@ -83,18 +83,43 @@ def _cluster_kwargs(args: argparse.Namespace) -> dict:
                 results=args.results, resume=args.resume)
 
 
+def _model(args: argparse.Namespace) -> str | None:
+    """None for the default model (every worker finds its own copy), else the folder `--model` names here."""
+    from encdec_engine.entrypoints.cli_args import check_engine_args, resolve_model
+    from encdec_engine.models.model_names import DEFAULT_MODEL
+
+    check_engine_args(args)
+    return None if args.model in (None, DEFAULT_MODEL) else resolve_model(args)
+
+
+def _engine(args: argparse.Namespace, engine: dict | None = None) -> dict:
+    """The engine fields of the flags; each worker's torch threads are --threads-per-worker's."""
+    from encdec_engine.entrypoints.cli_args import engine_kwargs
+
+    engine = dict(engine if engine is not None else engine_kwargs(args))
+    if engine.get("threads") not in (None, args.threads_per_worker):
+        raise ValueError("on Ray, --threads-per-worker sets each engine's threads: leave --threads out")
+    engine["threads"] = args.threads_per_worker
+    return engine
+
+
 def _transcribe(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from encdec_engine import distributed
     from encdec_engine.distributed.api import transcription_from_row
-    from encdec_engine.entrypoints.cli import _engine_kwargs, _subtitle_options, _transcribe_options
+    from encdec_engine.entrypoints.transcribe_args import subtitle_options, temperatures, transcribe_options
     from encdec_engine.entrypoints.writers import render
 
-    options = _transcribe_options(args)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    options = dataclasses.asdict(transcribe_options(args, temperatures(args)))
+    language, task = options.pop("language"), options.pop("task")
     writes = bool(args.output_dir or args.output_format)
-    rows = distributed.transcribe(args.audio, args.model, manifest=args.manifest, output_dir=args.output_dir,
-                                  output_format=args.output_format, subtitles=_subtitle_options(args, writes),
-                                  language=args.language, task=args.task, batch_size=args.batch_size,
-                                  engine=_engine_kwargs(args), progress=not args.quiet, stream=True,
+    rows = distributed.transcribe(args.audio, _model(args), manifest=args.manifest, output_dir=args.output_dir,
+                                  output_format=args.output_format, subtitles=subtitle_options(args),
+                                  language=language, task=task, batch_size=args.batch_size,
+                                  engine=_engine(args), progress=not args.quiet, stream=True,
                                   **_cluster_kwargs(args), **options)
 
     def show(row: dict) -> None:
@@ -106,24 +131,20 @@ def _transcribe(args: argparse.Namespace) -> int:
 
 def _summarize(args: argparse.Namespace) -> int:
     from encdec_engine import distributed
-    from encdec_engine.entrypoints.cli import _engine_kwargs
-
     overrides = {k: v for k, v in (("max_tokens", args.max_tokens), ("min_tokens", args.min_tokens)) if v is not None}
-    rows = distributed.summarize(args.files, args.model, manifest=args.manifest, batch_size=args.job_batch_size or 16,
-                                 engine=_engine_kwargs(args), progress=not args.quiet, stream=True,
+    rows = distributed.summarize(args.files, _model(args), manifest=args.manifest,
+                                 batch_size=args.job_batch_size or 16, engine=_engine(args), progress=not args.quiet, stream=True,
                                  **_cluster_kwargs(args), **overrides)
     return _report(rows, lambda row: row["error"] is None and print(f"== {row['path'] or row['id']}\n{row['text']}"))
 
 
 def _generate(args: argparse.Namespace) -> int:
     from encdec_engine import distributed
-    from encdec_engine.entrypoints.cli import _engine_kwargs
-
     params = dict(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed)
     cluster = {**_cluster_kwargs(args), "results": args.results or args.output}
-    rows = distributed.generate(args.prompts, args.model, batch_size=args.job_batch_size or 64,
-                                engine=_engine_kwargs(args), progress=not args.quiet, stream=True, **cluster, **params)
+    rows = distributed.generate(args.prompts, _model(args), batch_size=args.job_batch_size or 64,
+                                engine=_engine(args), progress=not args.quiet, stream=True, **cluster, **params)
     # As `encdec generate` without --output: the records on stdout.
     show = (lambda row: None) if cluster["results"] else (lambda row: print(json.dumps(row)))
     return _report(rows, show, what=lambda row: f"prompt {row['id']} failed: ")
@@ -142,13 +163,13 @@ def _report(rows, show: Callable[[dict], object], what: Callable[[dict], str] = 
 
 def _serve(args: argparse.Namespace) -> int:
     from encdec_engine import distributed
-    from encdec_engine.entrypoints.cli import _server_engine_kwargs, _server_limits
+    from encdec_engine.entrypoints.cli import server_engine_kwargs, server_limits
 
-    server = distributed.serve(args.model, replicas=args.replicas or 1, address=args.ray or None,
+    server = distributed.serve(_model(args), replicas=args.replicas or 1, address=args.ray or None,
                                threads_per_replica=args.threads_per_worker, host=args.host, port=args.port,
-                               limits=_server_limits(args), served_model_name=args.served_model_name,
+                               limits=server_limits(args), served_model_name=args.served_model_name,
                                shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                               engine=_server_engine_kwargs(args))
+                               engine=_engine(args, server_engine_kwargs(args)))
     print(f"serving {server.replicas} replicas on {server.url} (Ctrl+C stops)", file=sys.stderr, flush=True)
     server.wait()
     return 0

@@ -23,6 +23,7 @@ from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
 from encdec_engine.worker.cuda_graphs import graph_batch_sizes
 from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool, weight_bytes
 from encdec_engine.worker.model_runner import ModelRunner
+from encdec_engine.worker.threads import configure_threads
 
 logger = logging.getLogger(__name__)
 _GiB = 1 << 30
@@ -41,6 +42,7 @@ class ProcessedRequest:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.threads = configure_threads(config.threads)  # before any heavy work: loading packs weights too
         loaded: LoadedModel = load_model(config)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.generation_config = loaded.generation_config
@@ -50,10 +52,11 @@ class LLMEngine:
         self.max_decoder_len = min(config.max_model_len or loaded.max_decoder_len, loaded.max_decoder_len)
 
         spec, bs = self.model.kv_cache_spec, config.block_size
-        per_block = bytes_per_block(spec, bs, self.dtype)
+        self.kv_cache_dtype = config.torch_kv_cache_dtype  # int8: values + their scales (attention/kv_quant.py)
+        per_block = bytes_per_block(spec, bs, self.kv_cache_dtype)
         budget = config.max_num_batched_tokens or max(16384, loaded.max_encoder_len + self.max_decoder_len)
         self.kv_pool = size_kv_pool(
-            spec, bs, self.dtype, self.device, num_kv_blocks=config.num_kv_blocks,
+            spec, bs, self.kv_cache_dtype, self.device, num_kv_blocks=config.num_kv_blocks,
             kv_cache_space_gb=config.kv_cache_space_gb, gpu_memory_utilization=config.gpu_memory_utilization,
             run_profile_forward=lambda: profile_forward(self.model, loaded.backend, bs, self.device, budget,
                                                         config.max_num_seqs, self.max_decoder_len),
@@ -65,7 +68,7 @@ class LLMEngine:
         num_swap = int(config.swap_space_gb * _GiB // per_block)
         self.block_manager = BlockManager(bs, num_blocks, num_swap, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget), self.block_manager)
-        self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.dtype, self.device)
+        self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.kv_cache_dtype, self.device)
         self.runner = ModelRunner(self.model, loaded.backend, self.cache_engine, bs, self.device, config.seed)
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(loaded)
@@ -257,3 +260,9 @@ class LLMEngine:
 
     def num_total_blocks(self) -> tuple[int, int]:
         return self.block_manager.num_total_device_blocks, self.block_manager.num_total_swap_blocks
+
+    def describe(self) -> str:
+        """What runs where, for start-up logs: model, architecture, device, dtype, CPU threads, KV blocks."""
+        return (f"model {self.config.model} ({type(self.model).__name__}) on {self.device}, "
+                f"{str(self.dtype).removeprefix('torch.')}, {self.threads} CPU threads, "
+                f"KV pool of {self.kv_pool.num_blocks} blocks x {self.config.block_size} tokens")

@@ -11,9 +11,10 @@ import torch
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
-from encdec_engine.layers.linear import pack_linears
+from encdec_engine.layers.cpu_kernels import prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.generation_config import load_generation_config
+from encdec_engine.models.model_names import is_short_name, resolve_model_name
 from encdec_engine.models.tokenizer_files import load_tokenizer, tokenizer_if_any
 from encdec_engine.models.weights import iter_checkpoint, weight_files
 from encdec_engine.models.whisper_vocab import add_timestamp_tokens, complete_whisper_generation_config
@@ -39,10 +40,13 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local checkpoint folder, or a hub id downloaded (when the network allows)."""
+    """A local checkpoint folder, a short Whisper name found offline (`tiny.en`), or a hub id
+    downloaded (when the network allows)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if is_short_name(model):
+        return resolve_model_name(model)
     if path.exists() or model.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model {model!r} is not a checkpoint folder")
     from huggingface_hub import snapshot_download
@@ -99,7 +103,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     except ValueError as e:  # a tensor of the wrong shape, one missing or left over
         raise ValueError(f"{path}: the weights ({', '.join(f.name for f in files)}) do not fit config.json: {e}") from e
     model = model.to(device=device, dtype=dtype).eval()
-    pack_linears(model)  # CPU fp32: oneDNN's packed layout, about 2x MKL's speed (layers/linear.py)
+    prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (layers/cpu_kernels.py)
 
     eos = hf_config.eos_token_id
     if isinstance(eos, list):

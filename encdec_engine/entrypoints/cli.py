@@ -1,124 +1,33 @@
-"""The `encdec` command line."""
+"""The `encdec` command line.
+
+Imports stay light until a command runs: torch and the engine load inside the commands, so `--help`
+and argument errors answer at once. `transcribe` lives in cli_transcribe.py (its flags in
+transcribe_args.py), the shared plumbing in cli_args.py.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from encdec_engine import __version__
+from encdec_engine.entrypoints.cli_args import (HelpFormatter, add_engine_args, check_engine_args, engine_kwargs,
+                                                error, normalize_argv, resolve_model)
+from encdec_engine.entrypoints.cli_transcribe import add_transcribe_parser
 from encdec_engine.distributed.cli import add_ray_args, ray_command, split_ray_address
 from encdec_engine.distributed.cluster import RayNotInstalled
-
-if TYPE_CHECKING:
-    from encdec_engine.entrypoints.subtitles import SubtitleOptions
-
-
-def _engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    p.add_argument("--model", required=model_required, help="checkpoint folder (or hub id when online)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-space-gb", type=float, default=None,
-                   help="KV pool size (default: 2 GiB on CPU; on CUDA what --gpu-memory-utilization leaves)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="CUDA: share of the device for weights, activations and the KV pool")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode eagerly, without CUDA graphs")
-
-
-def _engine_kwargs(args) -> dict:
-    """The EngineConfig fields every command takes (see _engine_args)."""
-    return dict(dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                kv_cache_space_gb=args.kv_cache_space_gb, gpu_memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=args.enforce_eager)
+from encdec_engine.models.model_names import DEFAULT_MODEL
 
 
 def _llm(args):
     from encdec_engine import LLM
 
-    return LLM(model=args.model, **_engine_kwargs(args))
-
-
-def cmd_transcribe(args) -> int:
-    from encdec_engine.entrypoints.writers import OUTPUT_FORMATS, output_basename, render, write_transcription
-
-    options = _transcribe_options(args)
-    writes = args.output_dir or args.output_format
-    subtitles = _subtitle_options(args, writes=bool(writes))
-    if writes:  # before any work: a bad destination must not cost the transcription
-        out_dir = Path(args.output_dir or ".")
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ValueError(f"--output-dir {out_dir} exists and is not a directory")
-        stems: dict[str, str] = {}
-        for path in args.audio:
-            other = stems.setdefault(output_basename(path), path)
-            if other != path:
-                raise ValueError(f"{other} and {path} would both be written as {output_basename(path)}.*; "
-                                 "transcribe them into different --output-dir folders")
-    if args.model is None:
-        from encdec_engine.models.ct2_import import default_model_path
-
-        args.model = str(default_model_path())
-    elif _is_ct2_folder(args.model):
-        from encdec_engine.models.ct2_import import import_ct2_whisper
-
-        args.model = str(import_ct2_whisper(args.model, Path(args.model) / ".encdec-hf"))
-    llm = _llm(args)
-    results = llm.transcribe(args.audio, language=args.language, task=args.task, use_tqdm=not args.quiet,
-                             max_in_flight=args.batch_size, **options)
-    failed = 0
-    for path, result in zip(args.audio, results):
-        if result.error is not None:
-            failed += 1
-            print(f"error: {result.error}", file=sys.stderr)
-            continue
-        if args.output_dir or args.output_format:
-            write_transcription(result, args.output_format or "all", args.output_dir or ".", path, subtitles)
-        if not args.quiet or not (args.output_dir or args.output_format):
-            header = f"== {path}\n" if len(args.audio) > 1 else ""
-            print(header + (render(result, "txt") if not args.verbose else render(result, "vtt")), end="")
-    return 1 if failed else 0
-
-
-def _transcribe_options(args) -> dict:
-    """The TranscribeOptions fields the flags set (checked here: bad values fail before the model loads)."""
-    from encdec_engine.speech.options import TranscribeOptions
-
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-    options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt,
-               "no_speech_threshold": args.no_speech_threshold, "beam_size": args.beam_size, "best_of": args.best_of,
-               "word_timestamps": args.word_timestamps, "clip_timestamps": args.clip_timestamps,
-               "hallucination_silence_threshold": args.hallucination_silence_threshold, "chunked": args.chunked}
-    if args.temperature is not None:
-        options["temperatures"] = (args.temperature,)
-    TranscribeOptions(**options)
-    return options
-
-
-def _subtitle_options(args, writes: bool) -> SubtitleOptions:
-    """The srt/vtt layout flags as SubtitleOptions; like openai-whisper they need word timestamps, and
-    flags that would change nothing are refused rather than ignored."""
-    from encdec_engine.entrypoints.subtitles import SubtitleOptions
-
-    subtitles = SubtitleOptions(highlight_words=args.highlight_words, max_line_width=args.max_line_width,
-                                max_line_count=args.max_line_count, max_words_per_line=args.max_words_per_line)
-    names = subtitles.set_options
-    flags = ", ".join("--" + name.replace("_", "-") for name in names)
-    if flags and not args.word_timestamps:
-        raise ValueError(f"{flags} {'needs' if len(names) == 1 else 'need'} --word-timestamps")
-    if flags and (not writes or args.output_format in ("txt", "tsv", "json")):
-        raise ValueError(f"{flags} only shape srt and vtt files; add --output-format srt, vtt or all")
-    return subtitles
-
-
-def _is_ct2_folder(path: str) -> bool:
-    from encdec_engine.models.ct2_import import is_ct2_model_dir
-
-    return Path(path).is_dir() and is_ct2_model_dir(path)
+    check_engine_args(args)
+    return LLM(model=resolve_model(args), **engine_kwargs(args))
 
 
 def cmd_generate(args) -> int:
@@ -147,7 +56,7 @@ def cmd_summarize(args) -> int:
     for name in args.files:
         path = Path(name)
         if not path.is_file():
-            print(f"error: {path}: no such file", file=sys.stderr)
+            error(f"{path}: no such file")
             return 2
         texts.append(path.read_text())
     overrides = {k: v for k, v in (("max_tokens", args.max_tokens), ("min_tokens", args.min_tokens)) if v is not None}
@@ -160,48 +69,44 @@ def cmd_summarize(args) -> int:
 def cmd_serve(args) -> int:
     from encdec_engine.entrypoints.server import run_server
 
-    model = args.model
-    if model is None:
-        from encdec_engine.models.ct2_import import default_model_path
-
-        model = str(default_model_path())
-    elif _is_ct2_folder(model):
-        from encdec_engine.models.ct2_import import import_ct2_whisper
-
-        model = str(import_ct2_whisper(model, Path(model) / ".encdec-hf"))
-    run_server(model, host=args.host, port=args.port, limits=_server_limits(args),
+    check_engine_args(args)
+    model = resolve_model(args)
+    run_server(model, host=args.host, port=args.port, limits=server_limits(args),
                served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
-               log_level=args.log_level, **_server_engine_kwargs(args))
+               log_level=args.log_level, **server_engine_kwargs(args))
     return 0
 
 
-def _server_limits(args):
+def server_limits(args):
+    """The ServerLimits the serve flags set (of the one server, or of each replica on Ray)."""
     import os
 
     from encdec_engine.entrypoints.server_gate import ServerLimits
 
     return ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
                         max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
-                        max_audio_seconds=args.max_audio_seconds, protect_info=args.protect_info)
+                        max_audio_seconds=args.max_audio_seconds, max_audio_memory_mb=args.max_audio_memory_mb,
+                        protect_info=args.protect_info)
 
 
-def _server_engine_kwargs(args) -> dict:
-    return dict(_engine_kwargs(args), swap_space_gb=args.swap_space_gb,
+def server_engine_kwargs(args) -> dict:
+    return dict(engine_kwargs(args), swap_space_gb=args.swap_space_gb,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
 
 
 def _add_serve_parser(sub) -> None:
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (transcriptions or completions)")
-    _engine_args(sv, model_required=False)
-    sv.set_defaults(model=None)
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (transcriptions or completions)",
+                        formatter_class=HelpFormatter)
+    add_engine_args(sv, default_model=DEFAULT_MODEL)
     sv.add_argument("--swap-space-gb", type=float, default=0.0, help="CPU swap pool for preempted requests")
-    sv.add_argument("--max-num-batched-tokens", type=int, default=None)
-    sv.add_argument("--max-model-len", type=int, default=None, help="decoder positions")
-    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="prefill tokens in one step (default: the model's encoder + decoder lengths, at least 16384)")
+    sv.add_argument("--max-model-len", type=int, default=None, help="decoder positions (default: the model's)")
+    sv.add_argument("--seed", type=int, default=0, help="for unseeded sampling")
     sv.add_argument("--no-prefix-caching", action="store_true", help="recompute every encoder output and prefix")
-    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only by default)")
+    sv.add_argument("--port", type=int, default=8000, help="port to bind")
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     sv.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $ENCDEC_API_KEY, else none)")
@@ -211,79 +116,45 @@ def _add_serve_parser(sub) -> None:
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting to start; beyond: 429")
     sv.add_argument("--max-upload-mb", type=float, default=25.0, help="request body limit; beyond: 413")
     sv.add_argument("--max-audio-seconds", type=float, default=3600.0, help="audio length limit; beyond: 413")
+    sv.add_argument("--max-audio-memory-mb", type=float, default=4096.0,
+                    help="memory for the audio of transcriptions in flight (uploads, samples, log-mels: about "
+                         "350 MB per hour of audio), held from upload to the job's end; beyond: 429")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
-    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                    help="server and engine log level")
     sv.set_defaults(func=cmd_serve)
 
 
-def _optional_float(value: str) -> float | None:
-    return None if value.lower() == "none" else float(value)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="encdec", description="Serve encoder/decoder transformers.")
+    parser = argparse.ArgumentParser(prog="encdec", description="Serve encoder/decoder transformers.",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_transcribe_parser(sub, HelpFormatter)
 
-    tr = sub.add_parser("transcribe", help="transcribe audio files with Whisper")
-    tr.add_argument("audio", nargs="*", help="audio files (wav, flac, ogg, mp3, ...); on Ray also folders and globs")
-    _engine_args(tr, model_required=False)
-    tr.set_defaults(model=None)
-    tr.add_argument("--language", default=None, help="e.g. en; default: detect (English-only models: en)")
-    tr.add_argument("--task", default="transcribe", choices=["transcribe", "translate"])
-    tr.add_argument("--output-format", default=None, choices=["txt", "vtt", "srt", "tsv", "json", "all"],
-                    help="write <audio name>.<format> files (default with --output-dir: all)")
-    tr.add_argument("--output-dir", default=None, help="where to write output files (default: .)")
-    tr.add_argument("--batch-size", type=int, default=16, help="files transcribed concurrently")
-    tr.add_argument("--temperature", type=float, default=None, help="one fixed temperature (no fallback)")
-    tr.add_argument("--beam-size", type=int, default=1,
-                    help="beams per window at temperature 0 (default 1: greedy; openai-whisper's CLI uses 5)")
-    tr.add_argument("--best-of", type=int, default=5, help="samples per window at temperature > 0")
-    tr.add_argument("--word-timestamps", action="store_true",
-                    help="time each word (cross-attention alignment); JSON output lists them per segment")
-    tr.add_argument("--highlight-words", action="store_true",
-                    help="srt/vtt: one cue per word, the word underlined in its line (needs --word-timestamps)")
-    tr.add_argument("--max-line-width", type=int, default=None,
-                    help="srt/vtt: characters in a line before it breaks (needs --word-timestamps)")
-    tr.add_argument("--max-line-count", type=int, default=None,
-                    help="srt/vtt: lines per cue, cues then run across segments (needs --max-line-width)")
-    tr.add_argument("--max-words-per-line", type=int, default=None,
-                    help="srt/vtt: words per cue, within a segment (needs --word-timestamps; "
-                         "not with --max-line-width)")
-    tr.add_argument("--clip-timestamps", default="",
-                    help="seconds start,end[,start,end...] of the parts to transcribe; an odd count runs to the end")
-    tr.add_argument("--hallucination-silence-threshold", type=float, default=None,
-                    help="seconds: skip silence this long around a probable hallucination (needs --word-timestamps)")
-    tr.add_argument("--chunked", action="store_true",
-                    help="cut audio over 30 s at quiet points and decode the windows at once (faster; no window "
-                         "sees an earlier one's text)")
-    tr.add_argument("--without-timestamps", action="store_true", help="decode with <|notimestamps|>")
-    tr.add_argument("--initial-prompt", default=None, help="text that conditions the first window")
-    tr.add_argument("--no-speech-threshold", type=_optional_float, default=0.6,
-                    help="skip a window whose no-speech probability is above this and whose text is improbable "
-                         "(mean log-probability <= -1); 'none' never skips")
-    tr.add_argument("--verbose", action="store_true", help="print timed segments (VTT) instead of text")
-    tr.add_argument("--quiet", action="store_true", help="no progress bar; with output files, no stdout")
-    tr.set_defaults(func=cmd_transcribe)
-
-    gen = sub.add_parser("generate", help="run a JSONL file of prompts (any prompt format)")
+    gen = sub.add_parser("generate", help="run a JSONL file of prompts (any prompt format)",
+                         formatter_class=HelpFormatter)
     gen.add_argument("prompts", help="JSONL file: one prompt per line")
-    _engine_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--output", help="write JSONL results here instead of stdout")
+    add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample from the k most likely tokens; -1: all")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, unseeded)")
+    gen.add_argument("--output", help="write JSONL results here (default: stdout)")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(func=cmd_generate)
 
-    summ = sub.add_parser("summarize", help="summarize text files with the checkpoint's generation config")
-    summ.add_argument("files", nargs="*", help="text files; on Ray also folders and globs")
-    _engine_args(summ)
-    summ.add_argument("--max-tokens", type=int, default=None)
-    summ.add_argument("--min-tokens", type=int, default=None)
-    summ.add_argument("--quiet", action="store_true")
+    summ = sub.add_parser("summarize", help="summarize text files with the checkpoint's generation config",
+                          formatter_class=HelpFormatter)
+    summ.add_argument("files", nargs="*", help="text files, one summary each (on Ray also folders and globs)")
+    add_engine_args(summ)
+    summ.add_argument("--max-tokens", type=int, default=None,
+                      help="summary tokens at most (default: the checkpoint's generation config)")
+    summ.add_argument("--min-tokens", type=int, default=None,
+                      help="summary tokens at least (default: the checkpoint's generation config)")
+    summ.add_argument("--quiet", action="store_true", help="no progress bar")
     summ.set_defaults(func=cmd_summarize)
 
     _add_serve_parser(sub)
@@ -294,13 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(split_ray_address(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(split_ray_address(normalize_argv(parser, sys.argv[1:] if argv is None else argv)))
     command = ray_command(args, parser) or args.func
+    if getattr(args, "verbose", False):  # the model, device, threads and KV pool as the engine starts
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("encdec_engine").setLevel(logging.INFO)
     try:
         return command(args)
     except (ValueError, OSError, RayNotInstalled) as e:  # bad arguments, unwritable outputs, no Ray: a message
-        print(f"error: {e}", file=sys.stderr)
+        error(str(e))
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling: one line, the shell's code for SIGINT
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

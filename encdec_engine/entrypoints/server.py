@@ -78,7 +78,7 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
     st = state_of(request)
-    return PlainTextResponse(st.metrics.render(st.engine, st.admission),
+    return PlainTextResponse(st.metrics.render(st.engine, st.admission, st.audio_memory),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -142,6 +142,16 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
     return app
 
 
+def _log_to_stderr(level: str) -> None:
+    """The engine's own log lines (threads, KV pool, ...) beside uvicorn's, which configures only its own."""
+    engine_logger = logging.getLogger("encdec_engine")
+    if not engine_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))  # uvicorn's layout
+        engine_logger.addHandler(handler)
+    engine_logger.setLevel(level.upper())
+
+
 def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, limits: ServerLimits | None = None,
                served_model_name: str | None = None, shutdown_timeout: float = 30.0, log_level: str = "info",
                **engine_kwargs) -> None:
@@ -149,10 +159,13 @@ def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, limits:
     import uvicorn
 
     limits = limits or ServerLimits()
+    _log_to_stderr(log_level)
     if host not in ("127.0.0.1", "localhost", "::1") and limits.api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach the port can use it", host)
     app = build_app(model, limits=limits, served_model_name=served_model_name, shutdown_timeout=shutdown_timeout,
                     **engine_kwargs)
+    state: ServerState = app.state.server
+    logger.info("serving %r: %s", state.model_name, state.engine.engine.describe())
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout)
     uvicorn.Server(config).run()

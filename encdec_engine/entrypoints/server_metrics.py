@@ -7,7 +7,7 @@ import math
 from collections import defaultdict
 
 from encdec_engine.engine.async_engine import AsyncLLMEngine
-from encdec_engine.entrypoints.server_gate import Admission
+from encdec_engine.entrypoints.server_gate import Admission, AudioMemory
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, math.inf)  # s
 
@@ -28,7 +28,7 @@ class Metrics:
                 counts[i] += 1
         self.latency_sum[endpoint] += seconds
 
-    def render(self, engine: AsyncLLMEngine, admission: Admission) -> str:
+    def render(self, engine: AsyncLLMEngine, admission: Admission, audio_memory: AudioMemory | None = None) -> str:
         s = engine.snapshot
         out: list[str] = []
 
@@ -43,6 +43,10 @@ class Metrics:
         metric("encdec_server_queue_size", "gauge", "Requests admitted but not yet started (429 at the limit)",
                [("", admission.waiting)])
         metric("encdec_server_queue_limit", "gauge", "The admission queue's limit", [("", admission.max_queue)])
+        if audio_memory is not None:
+            metric("encdec_audio_memory_bytes", "gauge", "Audio held by transcriptions in flight (uploads, samples, "
+                   "log-mels), and the limit (429 beyond it)",
+                   [('{kind="used"}', audio_memory.used), ('{kind="limit"}', audio_memory.limit)])
         metric("encdec_kv_blocks_used", "gauge", "KV cache blocks in use, by attention type",
                [('{kind="self"}', s.self_blocks), ('{kind="cross"}', s.cross_blocks)])
         metric("encdec_kv_blocks_free", "gauge", "Free KV cache blocks, by pool",

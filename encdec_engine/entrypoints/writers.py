@@ -159,8 +159,8 @@ def output_basename(audio_path: str | Path | None, t: Transcription | None = Non
 
 def write_transcription(t: Transcription, fmt: str, output_dir: str | Path, audio_path: str | Path | None,
                         options: SubtitleOptions | None = None, stem: str | None = None) -> list[Path]:
-    """Write ``t`` as ``<output_dir>/<audio basename>.<fmt>`` (UTF-8, each file atomically); ``fmt="all"``
-    writes every format. ``stem`` replaces the audio basename when given.
+    """Write ``t`` as ``<output_dir>/<audio basename>.<fmt>`` (UTF-8); ``fmt="all"`` writes every format.
+    Each file is written atomically (``write_atomically``). ``stem`` replaces the audio basename when given.
 
     ``options`` shape the srt and vtt files (see ``render``). Creates ``output_dir`` if needed and
     returns the paths written, in ``OUTPUT_FORMATS`` order. Raises ValueError for an unknown format,
@@ -178,27 +178,22 @@ def write_transcription(t: Transcription, fmt: str, output_dir: str | Path, audi
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = stem or output_basename(audio_path, t)
-    written = []
-    for f in formats:
-        path = out_dir / f"{stem}.{f}"
-        write_atomically(path, render(t, f, options))
-        written.append(path)
-    return written
+    texts = {out_dir / f"{stem}.{f}": render(t, f, options) for f in formats}  # every format renders first
+    for path, text in texts.items():
+        write_atomically(path, text)
+    return list(texts)
 
 
 def write_atomically(path: str | Path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder and a rename, so a
-    reader, or a job resumed after a crash, sees the old file or the whole new one, never part of one."""
+    """Write `text` (UTF-8) to a temporary file beside `path`, then rename it over `path`: readers, and
+    a crash or Ctrl-C midway, see the old file or the whole new one, never half of it."""
     path = Path(path)
-    # A fresh name opened with "x" (not mkstemp, whose files are private): the file gets the umask's mode.
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        # newline="" keeps the bytes equal to the text on every platform (no "\r\n" on Windows).
-        with open(tmp, "x", encoding="utf-8", newline="") as fh:
+        # newline="" keeps the bytes equal to render() on every platform (no "\r\n" on Windows).
+        with open(tmp, "x", encoding="utf-8", newline="") as fh:  # "x": the umask's mode, unlike mkstemp's 0600
             fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise

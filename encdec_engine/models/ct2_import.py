@@ -9,7 +9,6 @@ writes a folder that ``WhisperForConditionalGeneration``, ``WhisperTokenizer``,
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import struct
@@ -21,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from encdec_engine.models.ct2_format import dequantize, read_ct2_header, read_ct2_variables
+from encdec_engine.models.model_names import cache_root
 
 _GELU = 3  # ctranslate2.specs.common_spec.Activation.GELU
 _MARKER = ".encdec-import.json"
@@ -283,15 +283,15 @@ def _is_complete(path: Path, fingerprint: dict) -> bool:
         return False
 
 
-def default_model_path() -> Path:
+def default_model_path(root: str | Path | None = None) -> Path:
     """Path of the HF checkpoint of the bundled tiny.en model, importing it on first use.
 
-    The cache root is ``$ENCDEC_CACHE`` (default ``~/.cache/encdec-engine``); the model lives
-    in its ``whisper-tiny.en`` folder. The import is written to a temporary sibling folder,
+    The cache root is ``root`` if given, else ``$ENCDEC_CACHE`` (default ``~/.cache/encdec-engine``);
+    the model lives in its ``whisper-tiny.en`` folder. The import is written to a temporary sibling folder,
     marked complete, then renamed into place, so a crash never leaves a usable half import.
     """
     src = _bundled_model_dir()
-    root = Path(os.environ.get("ENCDEC_CACHE") or Path.home() / ".cache" / "encdec-engine")
+    root = cache_root(root)
     dst = root / MODEL_NAME
     fingerprint = _fingerprint(src)
     if _is_complete(dst, fingerprint):

@@ -87,3 +87,14 @@ def language_code(language: str) -> str:
 
     key = language.strip().lower().removeprefix("<|").removesuffix("|>")
     return TO_LANGUAGE_CODE.get(key, key)
+
+
+def known_language_code(language: str) -> str:
+    """`language_code`, refusing what names no language Whisper knows (ValueError listing the codes)."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    code = language_code(language)
+    if code not in LANGUAGES:
+        raise ValueError(f"{language!r} is not a language Whisper knows; give a code ({', '.join(sorted(LANGUAGES))}) "
+                         f"or a name such as English")
+    return code

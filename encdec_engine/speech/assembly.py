@@ -79,7 +79,8 @@ class ResultAssembler:
         probs = [math.exp(out.prompt_logprobs[prefix_len + k][t]) for k, t in enumerate(text)]
         alignment = find_alignment(out.cross_attentions, probs, text, prefix_len, window.num_frames,
                                    self.tokenizer, self.tokens.eot, job.language)
-        add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset, job.last_speech)
+        add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset, job.last_speech,
+                            self.options.prepend_punctuations, self.options.append_punctuations)
         end = last_word_end(window.segments)
         if job.long_form and not window.single_ending and end is not None and end > window.offset:
             window.seek = round(end * FRAMES_PER_SECOND)  # openai-whisper: seek to the last word's end
@@ -113,10 +114,11 @@ class ResultAssembler:
     def result(self, job: TranscriptionJob) -> Transcription:
         """The input's transcript: its segments, or its chunks' segments in order (renumbered)."""
         if job.error is not None:
-            return Transcription("", None, [], 0.0, job.source, error=job.error)
+            return Transcription("", None, [], 0.0, job.source, error=job.error, index=job.index)
         if job.parts:
             job.segments = [seg for part in job.parts for seg in part.segments]
             for i, seg in enumerate(job.segments):
                 seg.id = i
         text = "".join(s.text for s in job.segments)
-        return Transcription(text, job.language or "en", job.segments, round(job.duration, 3), job.source)
+        return Transcription(text, job.language or "en", job.segments, round(job.duration, 3), job.source,
+                             index=job.index)

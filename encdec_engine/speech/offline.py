@@ -1,36 +1,114 @@
-"""The offline driver: every input's jobs through `LLMEngine.step()` at once (`LLM.transcribe`)."""
+"""The offline driver: every input's jobs through `LLMEngine.step()` at once (`LLM.transcribe`).
+
+`stream_transcriptions` is the driver itself, a generator: it steps the engine only while it is
+iterated, and after each step yields what became final, per input: the segments of windows just
+taken (in time order) and, once the input is done, its `Transcription`. Inputs finish in completion
+order, not input order (`Transcription.index` says which input). Closing it early (or an exception,
+Ctrl-C included, inside it) aborts the requests in flight, so their KV blocks are free again.
+`transcribe_offline` collects it into one Transcription per input, in input order.
+"""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
 from encdec_engine.speech.audio import FRAMES_PER_SECOND, audio_inputs
+from encdec_engine.speech.inputs import InputQueue
 from encdec_engine.speech.job import TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
-from encdec_engine.speech.results import Transcription
+from encdec_engine.speech.results import Segment, Transcription
 from encdec_engine.speech.transcriber import Transcriber
 
 if TYPE_CHECKING:
     from encdec_engine.engine.llm_engine import LLMEngine
 
+# "12.3/69.3 s of audio [00:04<00:10, 7.6x realtime, files 1/3]": seconds of audio, not "s/s" rates.
+_BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s of audio [{elapsed}<{remaining}{postfix}]"
 
-def transcribe_offline(engine: LLMEngine, options: TranscribeOptions, audio, use_tqdm: bool = False,
-                       max_in_flight: int | None = None) -> list[Transcription]:
+
+@dataclass
+class TranscriptionUpdate:
+    """What became final for one input after an engine step."""
+
+    index: int  # the input's position in the call
+    segments: list[Segment] = field(default_factory=list)  # newly final segments, in time order
+    transcription: Transcription | None = None  # set once the input is done (its last update)
+    language: str | None = None  # the input's language, once known
+    duration: float = 0.0  # seconds of audio
+
+
+class _Progress:
+    """The progress bar: seconds of audio done, the x-realtime rate, and files done."""
+
+    def __init__(self, seconds: float, files: int, enabled: bool) -> None:
+        self.bar = tqdm(total=round(seconds, 1), desc="Transcribing", bar_format=_BAR_FORMAT, disable=not enabled)
+        self.files, self.files_done = files, 0
+
+    def grow(self, seconds: float) -> None:
+        """Audio whose length no header told, now that it is read."""
+        self.bar.total = round(self.bar.total + seconds, 1)
+        self.bar.refresh()
+
+    def advance(self, seconds: float, file_done: bool) -> None:
+        self.files_done += file_done
+        self.bar.update(seconds)
+        elapsed = self.bar.format_dict["elapsed"]
+        rate = f"{self.bar.n / elapsed:.1f}x realtime, " if elapsed > 0 else ""
+        self.bar.set_postfix_str(f"{rate}files {self.files_done}/{self.files}")
+
+
+class _SegmentFeed:
+    """Hands out each input's final segments once: every committed segment of a job is final; a
+    chunked input's are final up to its first chunk still running (chunks finish in any order)."""
+
+    def __init__(self) -> None:
+        self.sent: Counter[int] = Counter()  # segments handed out, per input
+        self.finished: set[TranscriptionJob] = set()  # jobs and chunk jobs with no request left
+
+    def new(self, job: TranscriptionJob) -> list[Segment]:
+        final = job.segments
+        if job.parts:
+            final = []
+            for part in job.parts:
+                if part not in self.finished:
+                    break
+                final += part.segments
+        fresh = final[self.sent[job.index]:]
+        for i, seg in enumerate(fresh, start=self.sent[job.index]):
+            seg.id = i  # a chunk numbers its own segments; the input's numbering is known only here
+        self.sent[job.index] = len(final)
+        return fresh
+
+    def forget(self, job: TranscriptionJob) -> None:
+        """The input is done: hold nothing of it (its jobs hold its audio)."""
+        self.finished.difference_update((job, *job.parts))
+        self.sent.pop(job.index, None)
+
+
+def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, use_tqdm: bool = False,
+                          max_in_flight: int | None = None) -> Iterator[TranscriptionUpdate]:
     """Transcribe audio (one input or a sequence: paths, bytes, arrays, (samples, rate) pairs) on an
-    `LLMEngine`: one Transcription per input, in input order. At most `max_in_flight` jobs start at
-    once (None: all); a job's later requests, and the chunks it fans out into, follow at once."""
-    transcriber = Transcriber(engine, options)
+    `LLMEngine`, yielding updates as windows finish (see the module docstring). At most
+    `max_in_flight` jobs start at once (None: all that are read); a job's later requests, and the
+    chunks it fans out into, follow at once. Inputs are read as the audio held allows
+    (`speech.inputs`), and dropped once done. An input that cannot be read is done at once, with
+    `error` set."""
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f"max_in_flight must be at least 1 (or None: every input at once), got {max_in_flight}")
-    jobs = [transcriber.load(i, x) for i, x in enumerate(audio_inputs(audio))]
-    queue = [ready for job in jobs for ready in transcriber.start(job)]
-    running = Counter(job.index for job in queue)  # jobs of each input that are not done
+    transcriber = Transcriber(engine, options)
+    inputs = InputQueue(audio_inputs(audio), lambda pairs: [transcriber.load(i, x) for i, x in pairs])
+    roots: dict[int, TranscriptionJob] = {}  # inputs read and not done
+    queue: list[TranscriptionJob] = []
+    running: Counter[int] = Counter()  # jobs of each input that are not done
     in_flight: dict[str, TranscriptionJob] = {}
-    bar = tqdm(total=round(sum(j.duration for j in jobs), 1), unit="s", desc="Transcribing", disable=not use_tqdm)
-    files_done, bar_files = 0, len(running)
+    feed = _SegmentFeed()
+    progress = _Progress(inputs.known_seconds, len(inputs.items), use_tqdm)
 
     def submit(job: TranscriptionJob) -> None:
         align = "-words" if job.pending is not None else ""
@@ -38,28 +116,65 @@ def transcribe_offline(engine: LLMEngine, options: TranscribeOptions, audio, use
         engine.add_request(rid, *transcriber.next_request(job))
         in_flight[rid] = job
 
-    limit = max_in_flight or len(queue) or 1
+    def done(job: TranscriptionJob) -> TranscriptionUpdate:
+        progress.advance(0.0, file_done=True)
+        update = TranscriptionUpdate(job.index, feed.new(job), transcriber.result(job), job.language, job.duration)
+        roots.pop(job.index, None)
+        feed.forget(job)
+        inputs.release(job)
+        return update
+
+    def read_more() -> list[TranscriptionUpdate]:
+        """Read the inputs that fit now; those with nothing to decode (unreadable, no audio) are done."""
+        finished = []
+        for job in inputs.take():
+            if inputs.probed[job.index] is None:
+                progress.grow(job.duration)
+            roots[job.index] = job
+            ready = transcriber.start(job)
+            running[job.index] = len(ready)
+            queue.extend(ready)
+            if not ready:
+                finished.append(done(job))
+        return finished
+
+    limit = max_in_flight or math.inf
     try:
-        while queue or in_flight:
+        yield from read_more()
+        while queue or in_flight or not inputs.exhausted:
             while queue and len(in_flight) < limit:
                 submit(queue.pop(0))
-            for out in engine.step():
-                if not out.finished:
+            updates = []
+            for out in engine.step() if in_flight else []:
+                if not out.finished or out.request_id not in in_flight:
                     continue
                 job = in_flight.pop(out.request_id)
                 before = min(job.seek, job.num_frames)
                 ready = transcriber.take(job, out)
                 running[job.index] += len(ready) - 1
+                if not ready:
+                    feed.finished.add(job)
                 for next_job in ready:
                     submit(next_job)
-                if not ready:
-                    files_done += not running[job.index]
-                    bar.set_postfix_str(f"files {files_done}/{bar_files}")
-                bar.update(round((min(job.seek, job.num_frames) - before) / FRAMES_PER_SECOND, 1))
-    except BaseException:
+                root = roots[job.index]
+                progress.advance(round((min(job.seek, job.num_frames) - before) / FRAMES_PER_SECOND, 1), False)
+                if not running[job.index]:
+                    updates.append(done(root))
+                else:
+                    updates.append(TranscriptionUpdate(job.index, feed.new(root), None, root.language, root.duration))
+            updates += read_more()
+            yield from (u for u in updates if u.segments or u.transcription is not None)
+    except BaseException:  # an error, Ctrl-C, or the caller closing the generator early
         for rid in list(in_flight):
             engine.abort_request(rid)
         raise
     finally:
-        bar.close()
-    return [transcriber.result(job) for job in jobs]
+        progress.bar.close()
+
+
+def transcribe_offline(engine: LLMEngine, options: TranscribeOptions, audio, use_tqdm: bool = False,
+                       max_in_flight: int | None = None) -> list[Transcription]:
+    """One Transcription per input, in input order (see `stream_transcriptions`)."""
+    results = {u.index: u.transcription for u in stream_transcriptions(engine, options, audio, use_tqdm, max_in_flight)
+               if u.transcription is not None}
+    return [results[i] for i in sorted(results)]

@@ -5,6 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from encdec_engine.models.whisper_tokens import known_language_code
+
+# openai-whisper's word timestamps: these marks join the next word (prepend) or the previous one (append).
+PREPEND_PUNCTUATIONS = "\"'“¿([{-"
+APPEND_PUNCTUATIONS = "\"'.。,，!！?？:：”)]}、"
+
 
 @dataclass(frozen=True)
 class TranscribeOptions:
@@ -29,13 +35,34 @@ class TranscribeOptions:
     # Audio over 30 s is cut at its quietest moments into windows decoded all at once (as faster-whisper's
     # batched pipeline decodes its chunks): faster for one long file, but no window sees an earlier one's text.
     chunked: bool = False
+    # openai-whisper's carry_initial_prompt: initial_prompt leads the context of every window, not only the
+    # first; the previous text fills the room left (the decoder's half context), the prompt left-sliced if it
+    # fills it alone.
+    carry_initial_prompt: bool = False
+    prepend_punctuations: str = PREPEND_PUNCTUATIONS  # word timestamps: marks merged into the next word
+    append_punctuations: str = APPEND_PUNCTUATIONS  # word timestamps: marks merged into the previous word
+    # Token ids never decoded (openai-whisper's and faster-whisper's suppress_tokens): -1 stands for the
+    # checkpoint's list (generation_config.suppress_tokens: openai-whisper's non-speech symbols), () for
+    # none. "-1,220" strings are parsed. The decoding that applies it is issue 15's.
+    suppress_tokens: tuple[int, ...] | str = (-1,)
+    # Beam search (beam_size > 1): openai-whisper's patience (arXiv:2204.05424), a search that goes on until
+    # round(beam_size * patience) finished candidates; None: conventional beam search (1.0). Issue 15 decodes it.
+    patience: float | None = None
+    # openai-whisper's ranking of candidates: None divides the summed log-probability by the length;
+    # alpha in [0, 1] by ((5 + length) / 6) ** alpha (Google NMT). Issue 15 decodes it.
+    length_penalty: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "best_of"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
+        if self.language is not None:  # "English", "<|en|>" -> "en"; "xx" is refused here, not after a model load
+            object.__setattr__(self, "language", known_language_code(self.language))
         object.__setattr__(self, "clip_timestamps", _clip_timestamps(self.clip_timestamps))
+        object.__setattr__(self, "suppress_tokens", _token_ids("suppress_tokens", self.suppress_tokens))
+        object.__setattr__(self, "temperatures", _temperatures(self.temperatures))
+        self._check_openai_options()
         threshold = self.hallucination_silence_threshold
         if threshold is not None:
             if not isinstance(threshold, (int, float)) or not math.isfinite(threshold) or threshold <= 0:
@@ -43,6 +70,25 @@ class TranscribeOptions:
                                  f"got {threshold!r}")
             if not self.word_timestamps:
                 raise ValueError("hallucination_silence_threshold needs word_timestamps=True (it judges words)")
+
+    def _check_openai_options(self) -> None:
+        """openai-whisper's rules for its decoding options, and options that would change nothing refused."""
+        if self.carry_initial_prompt and not self.initial_prompt:
+            raise ValueError("carry_initial_prompt needs an initial_prompt (it carries that prompt to every window)")
+        for name in ("prepend_punctuations", "append_punctuations"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ValueError(f"{name} must be a string of punctuation marks, got {value!r}")
+            if value != getattr(TranscribeOptions, name) and not self.word_timestamps:
+                raise ValueError(f"{name} needs word_timestamps=True (it merges punctuation into timed words)")
+        if self.patience is not None:
+            if not _is_number(self.patience) or not math.isfinite(self.patience) or self.patience <= 0:
+                raise ValueError(f"patience must be a positive number, got {self.patience!r}")
+            if self.beam_size < 2:
+                raise ValueError("patience needs beam_size of at least 2 (it widens beam search; 1 is greedy)")
+        if self.length_penalty is not None and not (_is_number(self.length_penalty) and 0 <= self.length_penalty <= 1):
+            raise ValueError(f"length_penalty (alpha) must be between 0 and 1 as in openai-whisper, "
+                             f"got {self.length_penalty!r}")
 
     @property
     def openai_windows(self) -> bool:
@@ -65,3 +111,28 @@ def _clip_timestamps(value) -> tuple[float, ...]:
     if any(b < a or (b == a and i % 2 == 0) for i, (a, b) in enumerate(zip(times, times[1:]))):
         raise ValueError(f"clip_timestamps must ascend (each clip's start < end <= the next start), got {list(times)}")
     return times
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _token_ids(name: str, value) -> tuple[int, ...]:
+    """Token ids from "-1,220" or a sequence; -1 (the checkpoint's list) is the only id below 0."""
+    if isinstance(value, str):
+        try:
+            value = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"{name} must be comma-separated token ids (-1: the checkpoint's list), "
+                             f"got {value!r}") from None
+    ids = tuple(value)
+    if any(not isinstance(t, int) or isinstance(t, bool) or t < -1 for t in ids):
+        raise ValueError(f"{name} must be token ids of at least 0, or -1 for the checkpoint's list, got {list(ids)}")
+    return ids
+
+
+def _temperatures(value) -> tuple[float, ...]:
+    temperatures = (value,) if _is_number(value) else tuple(value)
+    if not temperatures or any(not _is_number(t) or not math.isfinite(t) or t < 0 for t in temperatures):
+        raise ValueError(f"temperatures must be one or more non-negative numbers, got {value!r}")
+    return tuple(float(t) for t in temperatures)

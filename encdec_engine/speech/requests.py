@@ -102,10 +102,15 @@ class WindowRequests:
 
     def _previous(self, job: TranscriptionJob) -> list[int]:
         previous = list(self.prompt_tokens)
-        if self.options.condition_on_previous_text:
-            previous += job.tokens[job.prompt_reset :]
         # openai-whisper keeps at most half the decoder context for the prompt.
-        return previous[-(self.max_decoder_len // 2 - 1) :] if previous else []
+        limit = self.max_decoder_len // 2 - 1
+        if self.options.condition_on_previous_text:
+            text = job.tokens[job.prompt_reset :]
+            if self.options.carry_initial_prompt:  # the carried prompt first: the text gets the room it leaves
+                room = limit - len(previous)
+                text = text[-room:] if room > 0 else []
+            previous += text
+        return previous[-limit:] if previous else []
 
     def _decode_params(self, job: TranscriptionJob, prompt_len: int) -> SamplingParams:
         options = self.options

@@ -42,3 +42,4 @@ class Transcription:
     duration: float  # seconds of audio
     source: str | None = None  # the file name, when the input was a file
     error: str | None = None  # why this input could not be transcribed (the others still are)
+    index: int = 0  # the input's position in the call (results streamed in completion order carry it)

@@ -25,12 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from encdec_engine.speech.options import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS
 from encdec_engine.speech.results import Segment, Word
 
 TOKENS_PER_SECOND = 50  # encoder positions per second of audio
 MEDIAN_FILTER_WIDTH = 7
-PREPEND_PUNCTUATIONS = "\"'“¿([{-"
-APPEND_PUNCTUATIONS = "\"'.。,，!！?？:：”)]}、"
 _UNICODE_SPLIT_LANGUAGES = {"zh", "ja", "th", "lo", "my", "yue"}  # no spaces between words
 
 
@@ -177,10 +176,11 @@ def merge_punctuations(alignment: list[WordTiming], prepended: str, appended: st
 
 
 def add_word_timestamps(segments: list[Segment], alignment: list[WordTiming], eot: int, time_offset: float,
-                        last_speech: float) -> None:
+                        last_speech: float, prepend_punctuations: str = PREPEND_PUNCTUATIONS,
+                        append_punctuations: str = APPEND_PUNCTUATIONS) -> None:
     """Give the window's segments their words (in place) and move each segment's start and end to
     its words, with openai-whisper's duration heuristics. `last_speech`: where speech last ended
-    before this window (seconds)."""
+    before this window (seconds); the punctuation marks join the next / the previous word."""
     durations = np.array([w.end - w.start for w in alignment])
     durations = durations[durations.nonzero()]
     median = min(0.7, float(np.median(durations))) if len(durations) else 0.0
@@ -192,7 +192,7 @@ def add_word_timestamps(segments: list[Segment], alignment: list[WordTiming], eo
                     alignment[i].end = alignment[i].start + longest
                 elif alignment[i - 1].word in ".。!！?？":
                     alignment[i].start = alignment[i].end - longest
-    merge_punctuations(alignment, PREPEND_PUNCTUATIONS, APPEND_PUNCTUATIONS)
+    merge_punctuations(alignment, prepend_punctuations, append_punctuations)
 
     index = 0
     for segment in segments:
