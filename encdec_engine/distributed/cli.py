@@ -131,15 +131,18 @@ def _transcribe(args: argparse.Namespace) -> int:
 
 def _summarize(args: argparse.Namespace) -> int:
     from encdec_engine import distributed
+
     overrides = {k: v for k, v in (("max_tokens", args.max_tokens), ("min_tokens", args.min_tokens)) if v is not None}
     rows = distributed.summarize(args.files, _model(args), manifest=args.manifest,
-                                 batch_size=args.job_batch_size or 16, engine=_engine(args), progress=not args.quiet, stream=True,
+                                 batch_size=args.job_batch_size or 16, engine=_engine(args),
+                                 progress=not args.quiet, stream=True,
                                  **_cluster_kwargs(args), **overrides)
     return _report(rows, lambda row: row["error"] is None and print(f"== {row['path'] or row['id']}\n{row['text']}"))
 
 
 def _generate(args: argparse.Namespace) -> int:
     from encdec_engine import distributed
+
     params = dict(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed)
     cluster = {**_cluster_kwargs(args), "results": args.results or args.output}

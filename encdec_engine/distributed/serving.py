@@ -58,13 +58,13 @@ class ReplicaMetrics(Metrics):
         self.replica = replica
         self.others: dict[str, str] = {}
 
-    def own(self, engine, admission) -> str:
+    def own(self, engine, admission, audio_memory=None) -> str:
         info = (f'encdec_replica_info{{pid="{os.getpid()}",node="{socket.gethostname()}"}} 1')
-        return (super().render(engine, admission) + "# HELP encdec_replica_info The replica's process\n"
+        return (super().render(engine, admission, audio_memory) + "# HELP encdec_replica_info The replica's process\n"
                 "# TYPE encdec_replica_info gauge\n" + info + "\n")
 
-    def render(self, engine, admission) -> str:
-        return merge({self.replica: self.own(engine, admission), **self.others})
+    def render(self, engine, admission, audio_memory=None) -> str:
+        return merge({self.replica: self.own(engine, admission, audio_memory), **self.others})
 
 
 class ReplicaHeader:
@@ -119,7 +119,8 @@ class EngineReplica:
         while True:
             try:
                 metrics.others = await self.hub.report.remote(metrics.replica,
-                                                              metrics.own(self.state.engine, self.state.admission))
+                                                              metrics.own(self.state.engine, self.state.admission,
+                                                                          self.state.audio_memory))
             except Exception:  # the hub is gone (the server is shutting down): keep serving own numbers
                 metrics.others = {}
             await asyncio.sleep(REPORT_INTERVAL_S)
