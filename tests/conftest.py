@@ -72,3 +72,16 @@ def no_leaked_blocks():
             engine.abort_request(rid)
         assert not engine.has_unfinished_requests()
         assert engine.num_free_blocks() == engine.num_total_blocks(), "KV blocks leaked"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for every Ray test (starting one takes many seconds): 2 CPUs, as the
+    machine has; yields its address, which a CLI run in a subprocess can join."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 << 20, logging_level="WARNING")
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

@@ -17,7 +17,7 @@ LEVELS = {
     "engine": 4, "inputs": 4,
     "speech.audio": 4, "speech.features": 4,  # leaves: the audio prompt format (inputs/) converts audio with them
     "llm": 5, "speech": 5,
-    "entrypoints": 6,
+    "entrypoints": 6, "distributed": 6,  # distributed: batch jobs and replicated serving on Ray, beside the CLI
 }
 CORE = ("engine", "worker", "attention", "models", "layers")
 SPEECH = "encdec_engine.speech"
@@ -94,3 +94,16 @@ def test_scheduler_and_block_manager_do_not_import_torch():
     for name in ("engine/scheduler.py", "engine/block_manager.py", "sequence.py"):
         tree = ast.parse((PKG / name).read_text())
         assert not any(m.split(".")[0] == "torch" for m in imported_modules(tree)), name
+
+
+def test_ray_is_imported_only_by_distributed_and_only_the_cli_imports_that():
+    """The base install works without Ray: only encdec_engine/distributed/ imports it, and of the rest only
+    the CLI imports distributed (its flags module, which imports no Ray)."""
+    violations = []
+    for rel, name in package_imports():
+        inside = rel.parts[1] == "distributed"
+        if (name == "ray" or name.startswith("ray.")) and not inside:
+            violations.append(f"{rel} imports {name}")
+        if name.startswith("encdec_engine.distributed") and not inside and rel.parts[1:] != ("entrypoints", "cli"):
+            violations.append(f"{rel} imports {name}")
+    assert not violations, "\n".join(violations)

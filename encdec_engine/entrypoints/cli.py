@@ -18,6 +18,8 @@ from encdec_engine import __version__
 from encdec_engine.entrypoints.cli_args import (HelpFormatter, add_engine_args, check_engine_args, engine_kwargs,
                                                 error, normalize_argv, resolve_model)
 from encdec_engine.entrypoints.cli_transcribe import add_transcribe_parser
+from encdec_engine.distributed.cli import add_ray_args, ray_command, split_ray_address
+from encdec_engine.distributed.cluster import RayNotInstalled
 from encdec_engine.models.model_names import DEFAULT_MODEL
 
 
@@ -65,22 +67,32 @@ def cmd_summarize(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import os
-
-    from encdec_engine.entrypoints.server import ServerLimits, run_server
+    from encdec_engine.entrypoints.server import run_server
 
     check_engine_args(args)
     model = resolve_model(args)
-    limits = ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
-                          max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
-                          max_audio_seconds=args.max_audio_seconds, max_audio_memory_mb=args.max_audio_memory_mb,
-                          protect_info=args.protect_info)
-    engine = dict(engine_kwargs(args), swap_space_gb=args.swap_space_gb,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                  seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
-    run_server(model, host=args.host, port=args.port, limits=limits, served_model_name=args.served_model_name,
-               shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, **engine)
+    run_server(model, host=args.host, port=args.port, limits=server_limits(args),
+               served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
+               log_level=args.log_level, **server_engine_kwargs(args))
     return 0
+
+
+def server_limits(args):
+    """The ServerLimits the serve flags set (of the one server, or of each replica on Ray)."""
+    import os
+
+    from encdec_engine.entrypoints.server_gate import ServerLimits
+
+    return ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
+                        max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
+                        max_audio_seconds=args.max_audio_seconds, max_audio_memory_mb=args.max_audio_memory_mb,
+                        protect_info=args.protect_info)
+
+
+def server_engine_kwargs(args) -> dict:
+    return dict(engine_kwargs(args), swap_space_gb=args.swap_space_gb,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
 
 
 def _add_serve_parser(sub) -> None:
@@ -136,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     summ = sub.add_parser("summarize", help="summarize text files with the checkpoint's generation config",
                           formatter_class=HelpFormatter)
-    summ.add_argument("files", nargs="+", help="text files, one summary each")
+    summ.add_argument("files", nargs="*", help="text files, one summary each (on Ray also folders and globs)")
     add_engine_args(summ)
     summ.add_argument("--max-tokens", type=int, default=None,
                       help="summary tokens at most (default: the checkpoint's generation config)")
@@ -146,18 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
     summ.set_defaults(func=cmd_summarize)
 
     _add_serve_parser(sub)
+    for command, command_parser in sub.choices.items():
+        add_ray_args(command_parser, command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(normalize_argv(parser, sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(split_ray_address(normalize_argv(parser, sys.argv[1:] if argv is None else argv)))
+    command = ray_command(args, parser) or args.func
     if getattr(args, "verbose", False):  # the model, device, threads and KV pool as the engine starts
         logging.basicConfig(format="%(message)s")
         logging.getLogger("encdec_engine").setLevel(logging.INFO)
     try:
-        return args.func(args)
-    except (ValueError, OSError) as e:  # bad arguments, unwritable outputs: a message, not a traceback
+        return command(args)
+    except (ValueError, OSError, RayNotInstalled) as e:  # bad arguments, unwritable outputs, no Ray: a message
         error(str(e))
         return 2
     except KeyboardInterrupt:  # Ctrl-C before a command's own handling: one line, the shell's code for SIGINT

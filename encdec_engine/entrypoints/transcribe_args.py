@@ -20,7 +20,7 @@ _FORMATS = ["txt", "vtt", "srt", "tsv", "json", "all"]
 
 
 def add_transcribe_args(tr: argparse.ArgumentParser) -> None:
-    tr.add_argument("audio", nargs="+", help="audio files (wav, flac, ogg, mp3, ...)")
+    tr.add_argument("audio", nargs="*", help="audio files (wav, flac, ogg, mp3, ...); on Ray also folders and globs")
     add_engine_args(tr, default_model=DEFAULT_MODEL)
     tr.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=None,
                     help="openai-whisper's: float16 on CUDA; ignored with a warning on the CPU (default: unset, "

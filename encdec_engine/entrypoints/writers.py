@@ -158,9 +158,9 @@ def output_basename(audio_path: str | Path | None, t: Transcription | None = Non
 
 
 def write_transcription(t: Transcription, fmt: str, output_dir: str | Path, audio_path: str | Path | None,
-                        options: SubtitleOptions | None = None) -> list[Path]:
+                        options: SubtitleOptions | None = None, stem: str | None = None) -> list[Path]:
     """Write ``t`` as ``<output_dir>/<audio basename>.<fmt>`` (UTF-8); ``fmt="all"`` writes every format.
-    Each file is written atomically (``write_atomically``).
+    Each file is written atomically (``write_atomically``). ``stem`` replaces the audio basename when given.
 
     ``options`` shape the srt and vtt files (see ``render``). Creates ``output_dir`` if needed and
     returns the paths written, in ``OUTPUT_FORMATS`` order. Raises ValueError for an unknown format,
@@ -177,16 +177,17 @@ def write_transcription(t: Transcription, fmt: str, output_dir: str | Path, audi
         check_words(t, options)
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = output_basename(audio_path, t)
+    stem = stem or output_basename(audio_path, t)
     texts = {out_dir / f"{stem}.{f}": render(t, f, options) for f in formats}  # every format renders first
     for path, text in texts.items():
         write_atomically(path, text)
     return list(texts)
 
 
-def write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: str | Path, text: str) -> None:
     """Write `text` (UTF-8) to a temporary file beside `path`, then rename it over `path`: readers, and
     a crash or Ctrl-C midway, see the old file or the whole new one, never half of it."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         # newline="" keeps the bytes equal to render() on every platform (no "\r\n" on Windows).

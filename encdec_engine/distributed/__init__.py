@@ -1,0 +1,33 @@
+"""Scale out on Ray: batch jobs over a cluster (Ray Data) and replicated serving (Ray Serve).
+
+    api.py             transcribe / summarize / generate: a batch job from Python
+    inputs.py          paths, folders, globs and manifests -> the job's inputs
+    jobs.py            the job on Ray Data: an actor pool of engines, rows streamed back, progress
+    workers.py         the actors: one LLM each, a whole batch per engine call
+    results.py         the results JSONL: one row per input, resume
+    cluster.py         joining a Ray cluster or starting a local one
+    serving.py         N engine replicas of the OpenAI-compatible server behind Ray Serve
+    metrics_merge.py   the replicas' Prometheus texts as one
+    cli.py             the `--ray`, `--replicas`, ... flags of the `encdec` commands
+
+Nothing here imports Ray until a job or a server starts, and the engine never imports this package:
+the base install works without Ray (`pip install 'encdec-engine[ray]'` adds it).
+"""
+
+from __future__ import annotations
+
+__all__ = ["transcribe", "summarize", "generate", "serve", "ReplicatedServer", "RayNotInstalled"]
+
+_LAZY = {"transcribe": ("api", "transcribe"), "summarize": ("api", "summarize"), "generate": ("api", "generate"),
+         "serve": ("serving", "start"), "ReplicatedServer": ("serving", "ReplicatedServer"),
+         "RayNotInstalled": ("cluster", "RayNotInstalled")}
+
+
+def __getattr__(name: str):
+    # Lazy, so that the CLI can import the flags in cli.py without the server's and engine's modules.
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), attr)

