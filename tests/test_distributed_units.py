@@ -198,9 +198,10 @@ def test_the_package_imports_and_runs_without_ray(tmp_path):
         "import encdec_engine, encdec_engine.entrypoints.cli as cli, encdec_engine.distributed as d\n"
         "assert 'ray' not in sys.modules\n"
         f"sys.exit(cli.main(['transcribe', '--ray', {str(ROOT / 'prompts/audio/fox.wav')!r}]))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert "scaling out needs Ray" in r.stderr and "pip install 'encdec-engine[ray]'" in r.stderr
+    assert list(tmp_path.iterdir()) == []  # refused before any output (results.jsonl) was written
 
 
 def test_progress_counts_the_whole_job_and_the_audio_rate(tmp_path, monkeypatch, capsys):

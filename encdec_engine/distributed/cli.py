@@ -75,7 +75,15 @@ def ray_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ca
         parser.error(f"the following arguments are required: {inputs}" + (" (or --manifest)" if on_ray else ""))
     if not on_ray:
         return None
-    return {"transcribe": _transcribe, "summarize": _summarize, "generate": _generate, "serve": _serve}[args.command]
+
+    def run(args: argparse.Namespace) -> int:
+        from encdec_engine.distributed.cluster import import_ray
+
+        import_ray()  # RayNotInstalled before anything (a results file, a model import) is written
+        return command(args)
+
+    command = {"transcribe": _transcribe, "summarize": _summarize, "generate": _generate, "serve": _serve}[args.command]
+    return run
 
 
 def _cluster_kwargs(args: argparse.Namespace) -> dict:
