@@ -13,6 +13,7 @@ from encdec_engine.speech.fallback import WindowQuality, compression_ratio
 from encdec_engine.speech.hallucinations import cut_hallucinations
 from encdec_engine.speech.job import DecodedWindow, TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.ranking import Candidate
 from encdec_engine.speech.results import Segment, Transcription
 from encdec_engine.speech.word_timestamps import add_word_timestamps, find_alignment, last_word_end, speech_end
 
@@ -29,18 +30,18 @@ class ResultAssembler:
         """The text of tokens, timestamps and special tokens left out."""
         return self.tokenizer.decode([t for t in token_ids if t < self.tokens.eot])
 
-    def quality(self, out: RequestOutput) -> WindowQuality:
-        """What the fallback rules judge a decode request's window by."""
-        completion = out.outputs[0]
-        avg_logprob = (completion.cumulative_logprob or 0.0) / max(1, len(completion.token_ids))
-        text = self.text([t for t in completion.token_ids if t != self.tokens.eot])
-        return WindowQuality(avg_logprob, compression_ratio(text), out.no_speech_prob)  # every decode asks for it
+    def quality(self, chosen: Candidate, forced: list[int], no_speech_prob: float) -> WindowQuality:
+        """What the fallback rules judge a window by: the chosen candidate's mean log-probability,
+        and the compression ratio of its stripped text, a forced start included (faster-whisper)."""
+        return WindowQuality(chosen.avg_logprob, compression_ratio(self.text(forced + chosen.tokens).strip()),
+                             no_speech_prob)
 
-    def decoded_window(self, job: TranscriptionJob, out: RequestOutput, window_frames: int, temperature: float,
+    def decoded_window(self, job: TranscriptionJob, tokens: list[int], window_frames: int, temperature: float,
                        quality: WindowQuality) -> DecodedWindow:
-        """Cut the window's tokens into segments at consecutive timestamp tokens (openai-whisper).
-        window_frames: mel frames of audio in the window."""
-        tokens = [t for t in out.outputs[0].token_ids if t != self.tokens.eot]
+        """Cut the window's tokens (a forced start, then the generated ones before <|endoftext|>) into
+        segments at consecutive timestamp tokens (openai-whisper). window_frames: mel frames of audio
+        in the window. Times past the end of the audio (or of the clip) are clamped to it; `seek`
+        follows the tokens, as openai-whisper's."""
         begin = self.tokens.timestamp_begin
         offset = job.seek / FRAMES_PER_SECOND
         is_ts = [t >= begin for t in tokens]
@@ -105,8 +106,6 @@ class ResultAssembler:
                 job.segments.append(seg)
                 job.tokens.extend(seg.tokens)
         job.seek = window.seek
-        if window.temperature > 0.5:
-            job.prompt_reset = len(job.tokens)
         if self.options.word_timestamps and window.segments:  # the last speech: its last word, or segment
             job.last_speech = speech_end(window.segments)
 
