@@ -66,10 +66,18 @@ class ResultAssembler:
             if stamps and stamps[-1] != begin:
                 duration = (stamps[-1] - begin) * TIME_PRECISION
             pieces.append((tokens, offset, offset + duration))
-        segments = [Segment(0, round(start, 3), round(end, 3), self.text(piece), piece, temperature,
-                            quality.avg_logprob, quality.compression_ratio, quality.no_speech_prob)
+        limit = self.end_of_audio(job)
+        segments = [Segment(0, round(min(start, limit), 3), round(min(end, limit), 3), self.text(piece), piece,
+                            temperature, quality.avg_logprob, quality.compression_ratio, quality.no_speech_prob)
                     for piece, start, end in pieces]
         return DecodedWindow(segments, seek, offset, window_frames, single_ending, temperature)
+
+    @staticmethod
+    def end_of_audio(job: TranscriptionJob) -> float:
+        """Seconds no time may pass: the end of the audio, or of the current clip."""
+        if job.long_form and job.clip_index < len(job.clips):
+            return job.clips[job.clip_index][1] / FRAMES_PER_SECOND
+        return job.num_frames / FRAMES_PER_SECOND
 
     def align(self, job: TranscriptionJob, window: DecodedWindow, out: RequestOutput,
               prefix_len: int) -> DecodedWindow | None:
@@ -81,6 +89,7 @@ class ResultAssembler:
         alignment = find_alignment(out.cross_attentions, probs, text, prefix_len, window.num_frames,
                                    self.tokenizer, self.tokens.eot, job.language)
         add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset, job.last_speech)
+        clamp_words(window.segments, self.end_of_audio(job))
         end = last_word_end(window.segments)
         if job.long_form and not window.single_ending and end is not None and end > window.offset:
             window.seek = round(end * FRAMES_PER_SECOND)  # openai-whisper: seek to the last word's end
@@ -119,3 +128,11 @@ class ResultAssembler:
                 seg.id = i
         text = "".join(s.text for s in job.segments)
         return Transcription(text, job.language or "en", job.segments, round(job.duration, 3), job.source)
+
+
+def clamp_words(segments: list[Segment], limit: float) -> None:
+    """Word times, and the segment times moved to them, end at `limit` (the end of the audio or clip)."""
+    for seg in segments:
+        seg.start, seg.end = min(seg.start, limit), min(seg.end, limit)
+        for word in seg.words or ():
+            word.start, word.end = min(word.start, limit), min(word.end, limit)
