@@ -49,7 +49,8 @@ def cmd_transcribe(args) -> int:
     options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt,
                "no_speech_threshold": args.no_speech_threshold, "beam_size": args.beam_size, "best_of": args.best_of,
                "word_timestamps": args.word_timestamps, "clip_timestamps": args.clip_timestamps,
-               "hallucination_silence_threshold": args.hallucination_silence_threshold, "chunked": args.chunked}
+               "hallucination_silence_threshold": args.hallucination_silence_threshold, "chunked": args.chunked,
+               **_decoding_options(args)}
     if args.temperature is not None:
         options["temperatures"] = (args.temperature,)
     TranscribeOptions(**options)  # bad values fail before the model loads
@@ -88,6 +89,42 @@ def cmd_transcribe(args) -> int:
             header = f"== {path}\n" if len(args.audio) > 1 else ""
             print(header + (render(result, "txt") if not args.verbose else render(result, "vtt")), end="")
     return 1 if failed else 0
+
+
+def _decoding_options(args) -> dict:
+    """The openai-whisper / faster-whisper decoding flags as TranscribeOptions fields."""
+    names = ("suppress_tokens", "prefix", "hotwords", "condition_on_previous_text", "prompt_reset_on_temperature",
+             "max_new_tokens", "length_penalty", "patience", "repetition_penalty", "no_repeat_ngram_size")
+    return {name: getattr(args, name) for name in names}
+
+
+def _add_decoding_args(tr: argparse.ArgumentParser) -> None:
+    tr.add_argument("--suppress-tokens", default="-1",
+                    help="comma-separated token ids never generated; -1: the checkpoint's non-speech symbols")
+    tr.add_argument("--prefix", default=None, help="text the first window's transcript starts with")
+    tr.add_argument("--hotwords", default=None,
+                    help="hint phrases put before the previous text in every window's prompt (not with --prefix)")
+    tr.add_argument("--condition-on-previous-text", type=_bool, default=True,
+                    help="True/False: each window sees the text before it (default True)")
+    tr.add_argument("--prompt-reset-on-temperature", type=float, default=0.5,
+                    help="a window kept above this temperature conditions no later window")
+    tr.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per window")
+    tr.add_argument("--length-penalty", type=_optional_float, default=None,
+                    help="alpha in [0, 1] ranking samples and beams by ((5 + length) / 6) ** alpha; "
+                         "default: by length")
+    tr.add_argument("--patience", type=_optional_float, default=None,
+                    help="openai-whisper's beam patience; only 1.0 (conventional beam search) is supported")
+    tr.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="above 1: tokens already in the window's text are less likely")
+    tr.add_argument("--no-repeat-ngram-size", type=int, default=0, help="no n-gram of this size repeats in a window")
+
+
+def _bool(value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {value!r}")
 
 
 def _subtitle_options(args, writes: bool) -> SubtitleOptions:
@@ -238,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-speech-threshold", type=_optional_float, default=0.6,
                     help="skip a window whose no-speech probability is above this and whose text is improbable "
                          "(mean log-probability <= -1); 'none' never skips")
+    _add_decoding_args(tr)
     tr.add_argument("--verbose", action="store_true", help="print timed segments (VTT) instead of text")
     tr.add_argument("--quiet", action="store_true", help="no progress bar; with output files, no stdout")
     tr.set_defaults(func=cmd_transcribe)
