@@ -242,6 +242,25 @@ def test_silence_is_skipped_streamed_or_not(whisper_server, tmp_path):
     assert deltas == [] and events[-1].text == ""  # a window's text is sent only once it is kept
 
 
+def test_the_repeated_phrase_recording_keeps_every_utterance_streamed_or_not(whisper_server, tmp_path):
+    """Issue 15 over HTTP: the recording whose fallback window lost three sentences (old ranking,
+    and old streams, which decoded without fallback) is transcribed completely in both modes, and a
+    stream sends exactly the non-streamed text, one delta per kept window."""
+    import soundfile
+    from recordings import build, missing_utterances
+
+    path = tmp_path / "repeated_phrase.wav"
+    soundfile.write(path, build("repeated_phrase"), 16000)
+    client = whisper_server.client()
+    with open(path, "rb") as f:
+        text = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="text").strip()
+    assert missing_utterances("repeated_phrase", text) == [], text
+    with open(path, "rb") as f:
+        events = list(client.audio.transcriptions.create(model="whisper-1", file=f, stream=True))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    assert "".join(deltas) == events[-1].text == text and len(deltas) == 2  # two windows
+
+
 def test_translation_needs_multilingual_model(whisper_server):
     with open(AUDIO / "fox.wav", "rb") as f, pytest.raises(openai.BadRequestError, match="English-only"):
         whisper_server.client().audio.translations.create(model="whisper-1", file=f)
