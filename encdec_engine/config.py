@@ -28,6 +28,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | xformers
     enable_prefix_caching: bool = True  # reuse cached encoder outputs (cross KV) and decoder prefixes
     enforce_eager: bool = False  # CUDA: never replay decode from CUDA graphs
+    quantization: str | None = None  # "int8": CPU linears on int8 weights, per-channel scales (layers/int8_linear.py)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-group scales, attention/kv_quant.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -52,6 +54,16 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.attention_backend not in ("auto", "torch", "xformers"):
             raise ValueError(f"attention_backend must be auto, torch or xformers, got {self.attention_backend!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization == "int8" and self.torch_device.type != "cpu":
+            raise ValueError("quantization='int8' runs on torch's CPU int8 kernels; use device='cpu' "
+                             f"(got device {self.device!r})")
+        if self.quantization == "int8" and self.torch_dtype != torch.float32:
+            raise ValueError(f"quantization='int8' computes in float32 (the int8 kernels take fp32 activations); "
+                             f"dtype={self.dtype!r} is not supported with it")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -64,3 +76,8 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    @property
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        """The KV pool's element type: int8 (values + their scales, packed per row) or the model's dtype."""
+        return torch.int8 if self.kv_cache_dtype == "int8" else self.torch_dtype

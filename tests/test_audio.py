@@ -16,6 +16,7 @@ from encdec_engine.speech.audio import (
     N_SAMPLES,
     SAMPLE_RATE,
     AudioError,
+    AudioTooLong,
     audio_samples,
     load_audio,
     load_audio_bytes,
@@ -83,6 +84,23 @@ def test_compressed_formats(tmp_path: Path, source: str, suffix: str, args: list
     assert abs(audio.size - reference.size) < 0.1 * SAMPLE_RATE
     rms, ref_rms = np.sqrt(np.mean(audio**2)), np.sqrt(np.mean(reference**2))
     assert abs(rms / ref_rms - 1.0) < 0.1
+
+
+@needs_ffmpeg
+@pytest.mark.parametrize("suffix", [".wav", ".ogg", ".m4a"])  # libsndfile from memory and paths; ffmpeg
+def test_decoding_stops_at_max_seconds(tmp_path: Path, suffix: str) -> None:
+    """A file longer than the limit is refused having decoded only the limit (a small compressed file can
+    hold hours: decoding it all first is what the limit is there to prevent)."""
+    path = _ffmpeg(AUDIO_DIR / "fox.wav", tmp_path / f"fox{suffix}")
+    seconds = load_audio(path).size / SAMPLE_RATE
+    message = rf"more than [0-9.]+ s long; the limit is {seconds / 2:g} s: .*fox{suffix}"
+    with pytest.raises(AudioTooLong, match=message) as e:
+        load_audio(path, max_seconds=seconds / 2)
+    assert e.value.limit == seconds / 2 and seconds / 2 < e.value.seconds < seconds / 2 + 0.2
+    if suffix != ".m4a":
+        with pytest.raises(AudioTooLong):
+            load_audio_bytes(path.read_bytes(), path.name, max_seconds=seconds / 2)
+    assert load_audio(path, max_seconds=seconds + 1).size == load_audio(path).size
 
 
 def test_file_object_and_bytes() -> None:

@@ -68,6 +68,17 @@ def test_transcribe_prints_text_with_the_default_model():
     assert "beautiful day to go for a walk in the park" in r.stdout
 
 
+def test_int8_weights_and_cache_from_the_command_line():
+    """faster-whisper's --compute-type int8 spelling and --kv-cache-dtype int8; a compute type the engine
+    does not run is refused with a message naming it."""
+    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet", "--compute-type", "int8",
+               "--kv-cache-dtype", "int8")
+    assert r.returncode == 0, r.stderr
+    assert "beautiful day to go for a walk in the park" in r.stdout
+    r = encdec("transcribe", str(AUDIO / "weather.wav"), "--quiet", "--compute-type", "int16")
+    assert r.returncode == 2 and "--compute-type int16" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_bad_destinations_and_options_fail_before_any_work(tmp_path):
     """Each is refused at once with exit 2 and a one-line error naming the problem (no model is even loaded)."""
     (tmp_path / "a").mkdir()

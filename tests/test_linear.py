@@ -5,7 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encdec_engine.layers.linear import PackedLinear, VocabProjection, onednn_packing_available, pack_linears
+from encdec_engine.layers.cpu_kernels import machine_plan
+from encdec_engine.layers.linear import (PackedLinear, PackedWeight, VocabProjection, onednn_packing_available,
+                                         pack_linears)
 from encdec_engine.worker.kv_sizing import weight_bytes
 
 pytestmark = pytest.mark.skipif(not onednn_packing_available(), reason="torch built without oneDNN")
@@ -37,6 +39,7 @@ def test_vocab_projection_follows_weight_changes():
     torch.manual_seed(0)
     weight, hidden = torch.randn(100, 16), torch.randn(2, 16)
     project = VocabProjection()
+    project.use(PackedWeight)
     torch.testing.assert_close(project(hidden, weight), hidden @ weight.T, rtol=1e-5, atol=1e-5)
     weight.mul_(-2)  # in place: a new version of the same storage
     torch.testing.assert_close(project(hidden, weight), hidden @ weight.T, rtol=1e-5, atol=1e-5)
@@ -46,7 +49,8 @@ def test_vocab_projection_follows_weight_changes():
     torch.testing.assert_close(project(hidden.bfloat16(), half), F.linear(hidden.bfloat16(), half))
 
 
-def test_loaded_cpu_model_runs_packed(bart_path, make_llm):
+def test_loaded_cpu_model_runs_the_machines_fp32_kernel(bart_path, make_llm):
     model = make_llm(bart_path).engine.model
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
-    assert linears and all(type(m) is PackedLinear for m in linears)
+    want = PackedLinear if machine_plan(int8=False).fp32 == "onednn" else nn.Linear
+    assert linears and all(type(m) is want for m in linears)

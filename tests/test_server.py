@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from helpers import BrokenOnOneToken
 
 from encdec_engine import SamplingParams
 from encdec_engine.config import EngineConfig
@@ -69,9 +71,10 @@ class LiveServer:
         while True:
             busy, free, total = self.on_engine(
                 lambda e: (e.has_unfinished_requests(), e.num_free_blocks(), e.num_total_blocks()))
-            if not busy and free == total and self.state.admission.waiting == 0:
+            memory = self.state.audio_memory.used
+            if not busy and free == total and self.state.admission.waiting == 0 and memory == 0:
                 break
-            assert time.monotonic() < deadline, f"leak: busy={busy} free={free} total={total}"
+            assert time.monotonic() < deadline, f"leak: busy={busy} free={free} total={total} audio bytes={memory}"
             time.sleep(0.05)
         assert httpx.get(f"{self.url}/health", timeout=10).status_code == 200
 
@@ -152,9 +155,9 @@ def reference_transcript(server: LiveServer, name: str, **options):
 def test_models_health_and_metrics(bart_server, whisper_server):
     assert [m.id for m in bart_server.client().models.list()] == ["bart"]
     assert [m.id for m in whisper_server.client().models.list()] == ["whisper-tiny.en"]
-    for server in (bart_server, whisper_server):
-        assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-        text = httpx.get(f"{server.url}/metrics").text  # no key needed for health and metrics
+    for server, headers in ((bart_server, AUTH), (whisper_server, {})):
+        assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}  # never needs the key
+        text = httpx.get(f"{server.url}/metrics", headers=headers).text  # with a key set, metrics need it
         for name in ("encdec_requests_waiting", "encdec_requests_running", "encdec_requests_swapped",
                      'encdec_kv_blocks_used{kind="self"}', 'encdec_kv_blocks_used{kind="cross"}',
                      "encdec_generated_tokens_total", "encdec_generation_tokens_per_second",
@@ -352,12 +355,15 @@ BAD_AUDIO = [
     (_multipart(file=_float_wav([0.1, float("nan")] * 8000)), 400, "8000 NaN or infinite samples"),
     (_multipart(file=b"\0" * (3 << 20)), 413, "limit of 2 MB"),
     (_multipart(file=(AUDIO / "long_meeting.flac").read_bytes()), 413, "at most 60 s"),
+    (_multipart(prompt="p" * 8193), 400, "prompt: String should have at most 8192 characters"),
+    (_multipart(language="x" * 33), 400, "language: String should have at most 32 characters"),
 ]
 
 BAD_COMPLETIONS = [
     ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "not valid JSON"),
     ({"json": {"model": "bart"}}, 400, "prompt: Field required"),
     ({"json": {"prompt": "x", "max_tokens": "ten"}}, 400, "max_tokens"),
+    ({"json": {"prompt": "x", "truncate_prompt_tokens": "8"}}, 400, "truncate_prompt_tokens: Input should be a valid integer"),
     ({"json": {"prompt": "x", "temperature": -1}}, 400, "temperature"),
     ({"json": {"prompt": "x", "n": 0}}, 400, "n:"),
     ({"json": {"prompt": "x", "echo": True}}, 400, "echo"),
@@ -370,14 +376,27 @@ BAD_COMPLETIONS = [
     ({"json": {"prompt": "word " * 400}}, 400, "limit"),
     ({"json": {"prompt": "x", "model": "gpt-4o"}}, 404, "not served here"),
     ({"json": {"prompt": "x", "max_tokens": 100_000}}, 400, "ask for at most"),
-    ({"json": {"prompt": "x", "stop": ["y", ""]}}, 400, "stop must be non-empty"),
+    ({"json": {"prompt": "x", "stop": ["y", ""]}}, 400, "stop.1: String should have at least 1 character"),
     ({"json": {"prompt": ["a", "b", "c"]}}, 400, "exceed this server's queue"),
-    ({"json": {"prompt": "x", "logit_bias": {"rain": 1}}}, 400, "logit_bias: keys must be token ids"),
-    ({"json": {"prompt": "x", "logit_bias": {"\u00b2": 1}}}, 400, "logit_bias: keys must be token ids"),
-    ({"json": {"prompt": "x", "logit_bias": {"5": 101}}}, 400, "biases must be in [-100, 100]"),
+    ({"json": {"prompt": "x", "logit_bias": {"rain": 1}}}, 400, "logit_bias.rain.[key]: String should match"),
+    ({"json": {"prompt": "x", "logit_bias": {"\u00b2": 1}}}, 400, "String should match pattern '^[0-9]+$'"),
+    ({"json": {"prompt": "x", "logit_bias": {"5": 101}}}, 400, "logit_bias.5: Input should be less than or equal to 100"),
     ({"json": {"prompt": "x", "logit_bias": {"99999": 1}}}, 400, "logit_bias [99999] is outside the vocabulary"),
     ({"json": {"prompt": "x", "presence_penalty": 2.5}}, 400, "presence_penalty"),
-    ({"json": {"prompt": "x", "bad_words": [""]}}, 400, "bad_words must be a list of non-blank strings"),
+    ({"json": {"prompt": "x", "bad_words": [""]}}, 400, "bad_words.0: String should have at least 1 character"),
+    ({"json": {"prompt": "x", "bad_words": [" "]}}, 400, "bad_words must be a list of non-blank strings"),
+    # Every list and string field has a cap (a 400 naming the field and the cap).
+    ({"json": {"prompt": "x", "stop": ["s"] * 33}}, 400, "stop: List should have at most 32 items"),
+    ({"json": {"prompt": "x", "stop": "s" * 257}}, 400, "stop: String should have at most 256 characters"),
+    ({"json": {"prompt": "x", "stop_token_ids": [5] * 1025}}, 400, "stop_token_ids: List should have at most 1024"),
+    ({"json": {"prompt": "x", "bad_words": ["w"] * 257}}, 400, "bad_words: List should have at most 256 items"),
+    ({"json": {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}}, 400,
+     "logit_bias: Dictionary should have at most 1024 items"),
+    ({"json": {"prompt": "x", "seed": 2**64}}, 400, "seed: Input should be less than 18446744073709551616"),
+    ({"json": {"prompt": ["x"] * 257}}, 400, "at most 256 prompts per request"),
+    ({"json": {"prompt": "x" * 1_000_001}}, 400, "more than the limit of 1000000"),
+    ({"json": {"prompt": [5] * 262_145, "truncate_prompt_tokens": 8}}, 400, "more than the limit of 262144"),
+    ({"json": {"prompt": "x", "user": "u" * 257}}, 400, "user: String should have at most 256 characters"),
 ]
 
 
@@ -451,6 +470,59 @@ def test_api_key(bart_server):
     assert "missing API key" in missing.json()["error"]["message"]
     with pytest.raises(openai.AuthenticationError):
         bart_server.client(api_key="nope").completions.create(model="bart", prompt="x")
+
+
+INFO = ["/metrics", "/docs", "/redoc", "/openapi.json"]
+
+
+def test_info_endpoints_need_the_key_when_one_is_set(bart_server, whisper_server):
+    """With --api-key, /metrics, /docs, /redoc and /openapi.json are guarded too; /health is not."""
+    with bart_server.http() as http:
+        assert [http.get(p).status_code for p in INFO] == [401] * 4
+        assert [http.get(p, headers=AUTH).status_code for p in INFO] == [200] * 4
+        assert http.get("/health").status_code == 200
+    with whisper_server.http() as http:  # no key: public unless --protect-info
+        assert [http.get(p).status_code for p in INFO] == [200] * 4
+
+
+def test_protect_info_without_a_key_stops_serving_them(bart_path):
+    app = build_app(str(bart_path), limits=ServerLimits(protect_info=True), num_kv_blocks=32)
+    server = LiveServer(app)
+    try:
+        with server.http() as http:
+            assert [http.get(p).status_code for p in INFO] == [404] * 4
+            assert "--protect-info" in http.get("/metrics").json()["error"]["message"]
+            assert http.get("/health").status_code == 200
+    finally:
+        server.stop()
+    assert build_parser().parse_args(["serve", "--no-protect-info"]).protect_info is False
+
+
+def test_a_failing_request_gets_a_500_with_a_request_id_and_the_others_go_on(bart_server, bart_path, make_llm,
+                                                                              caplog):
+    """One request whose output processing raises (a token its tokenizer cannot convert) ends alone;
+    its 500 names a request id, never the exception, and the log has the traceback under that id."""
+    prompts = ["The first document is about rain.", "A second one, about the plain."]
+    body = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ref = make_llm(bart_path).generate(prompts, SamplingParams(**body), use_tqdm=False)
+    bad_id = next(t for t in ref[0].outputs[0].token_ids if t not in ref[1].outputs[0].token_ids)
+    tokenizer = bart_server.engine.engine.tokenizer
+
+    detok = bart_server.on_engine(lambda e: e.output_processor.detokenizer)
+    bart_server.on_engine(lambda e: setattr(detok, "tokenizer", BrokenOnOneToken(tokenizer, bad_id)))
+    try:
+        with ThreadPoolExecutor(2) as pool, caplog.at_level("ERROR"):
+            answers = list(pool.map(lambda p: httpx.post(f"{bart_server.url}/v1/completions", headers=AUTH,
+                                                         json={"prompt": p, **body}, timeout=60), prompts))
+    finally:
+        bart_server.on_engine(lambda e: setattr(detok, "tokenizer", tokenizer))
+    assert answers[0].status_code == 500 and answers[1].status_code == 200
+    assert answers[1].json()["choices"][0]["text"] == ref[1].outputs[0].text
+    message = answers[0].json()["error"]["message"]
+    request_id = re.search(r"request id (cmpl-[0-9a-f]+)", message).group(1)
+    assert "TypeError" not in message and "NoneType" not in message
+    logged = [r.exc_info for r in caplog.records if request_id in r.getMessage() and r.exc_info]
+    assert any(info[0] is TypeError for info in logged)  # the engine's traceback, under the request's id
 
 
 # -- load and lifecycle -----------------------------------------------------------
@@ -547,6 +619,28 @@ def test_async_engine_failures_stay_with_their_callers(bart_path):
     assert not engine.has_unfinished_requests() and engine.num_free_blocks() == engine.num_total_blocks()
 
 
+def test_requests_are_prepared_off_the_event_loop_and_the_engine_thread(bart_path, make_llm, monkeypatch):
+    """Tokenizing, resolving bad words and building sampler state run in the input workers."""
+    engine = make_llm(bart_path, num_kv_blocks=64).engine
+    threads = []
+    process = engine.process_request
+
+    def recording(prompt, params):
+        threads.append(threading.current_thread().name)
+        return process(prompt, params)
+
+    monkeypatch.setattr(engine, "process_request", recording)
+
+    async def main():
+        async_engine = AsyncLLMEngine(engine)
+        outs = [o async for o in async_engine.generate("A document.", SamplingParams(max_tokens=2), "r")]
+        await async_engine.shutdown()
+        return outs[-1]
+
+    assert asyncio.run(main()).finished
+    assert len(threads) == 1 and threads[0].startswith("encdec-inputs")
+
+
 def test_graceful_shutdown_finishes_in_flight_requests(bart_path):
     server = LiveServer(build_app(str(bart_path), num_kv_blocks=64), shutdown_timeout=10)
     release = pause_after_first_output(server)
@@ -595,3 +689,101 @@ def test_top_logprobs_rank_likeliest_first_and_keep_it_on_equal_text():
     lp = completion_logprobs([2], [{2: -0.1, 3: -5.0, 4: -2.0, 1: -3.0}], pieces.__getitem__)
     assert list(lp.top_logprobs[0].items()) == [("\ufffd", -0.1), ("b", -2.0), ("a", -3.0)]
     assert lp.token_logprobs == [-0.1]
+
+
+# -- memory held by transcriptions (issue 14: bounded resources) ----------------------------
+def until(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_an_upload_is_admitted_before_its_body_is_read(whisper_server):
+    """A client still sending a 1 MB body holds 1 MB of the audio budget from its headers on; a second
+    upload that does not fit beside it gets 429 at once, and the first one's bytes come back when it
+    gives up."""
+    memory, wav = whisper_server.state.audio_memory, (AUDIO / "weather.wav").read_bytes()
+    limit = memory.limit
+    memory.limit = 1 << 20
+    host, port = whisper_server.url.removeprefix("http://").split(":")
+    slow = socket.create_connection((host, int(port)))
+    try:
+        slow.sendall(b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Length: 900000\r\n"
+                     b"Content-Type: multipart/form-data; boundary=b\r\n\r\n--b\r\n")
+        until(lambda: memory.used == 900000, "the slow upload's reservation")
+        with whisper_server.http() as http:
+            r = http.post("/v1/audio/transcriptions", files={"file": ("weather.wav", wav)}, data={"model": "whisper-1"})
+        assert r.status_code == 429 and "MB of audio" in r.json()["error"]["message"], r.text
+        assert r.headers["retry-after"] == "1"
+    finally:
+        slow.close()
+        until(lambda: memory.used == 0, "the slow upload's bytes to come back")
+        memory.limit = limit
+    with whisper_server.http() as http:
+        r = http.post("/v1/audio/transcriptions", files={"file": ("weather.wav", wav)}, data={"model": "whisper-1"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_transcription_holds_its_audio_memory_until_it_ends(whisper_server, tmp_path):
+    """Not only until its first window runs (the queue slot): the samples and log-mel stay while the job
+    runs (two windows here), and so does their reservation."""
+    import soundfile
+
+    samples, rate = soundfile.read(AUDIO / "long_meeting.flac", dtype="float32")
+    soundfile.write(tmp_path / "45s.flac", samples[: 45 * rate], rate)
+    memory, held = whisper_server.state.audio_memory, []
+    with open(tmp_path / "45s.flac", "rb") as f:
+        for _ in whisper_server.client().audio.transcriptions.create(model="whisper-1", file=f, stream=True):
+            held.append(memory.used)
+    # At least the samples, at every event up to the last delta (the done event may race the release).
+    assert len(held) > 3 and min(held[:-1]) >= 45 * 16000 * 4, held
+    until(lambda: memory.used == 0, "the reservation to be released")
+
+
+def test_a_long_upload_is_refused_from_its_header_before_decoding(whisper_server, tmp_path, monkeypatch):
+    """A small low-bitrate file of two minutes (the limit here is 60 s): 413 from the duration ffmpeg
+    reads in the header, nothing decoded. An ffmpeg-only container (m4a) and a libsndfile one (ogg)."""
+    import subprocess
+
+    from encdec_engine.entrypoints.server_uploads import UploadedAudio
+
+    decoded = []
+    monkeypatch.setattr(UploadedAudio, "decode", lambda self: decoded.append(self.name))
+    for name, codec in (("long.m4a", ["-c:a", "aac", "-b:a", "16k"]), ("long.ogg", ["-c:a", "libvorbis"])):
+        path = tmp_path / name
+        subprocess.run(["ffmpeg", "-v", "error", "-f", "lavfi", "-i", "sine=frequency=300:duration=120",
+                        "-ar", "16000", "-ac", "1", *codec, str(path)], check=True)
+        with whisper_server.http() as http:
+            r = http.post("/v1/audio/transcriptions", files={"file": (name, path.read_bytes())},
+                          data={"model": "whisper-1"})
+        assert r.status_code == 413 and "audio is 120.0 s long" in r.json()["error"]["message"], r.text
+    assert decoded == []
+
+
+def test_per_request_cpu_work_runs_off_the_event_loop(whisper_server, monkeypatch):
+    """Tokenizing the prompt, aligning words (DTW) and planning windows happen in worker threads: on the
+    event loop they would stall every other stream."""
+    from encdec_engine.speech.requests import WindowRequests
+    from encdec_engine.speech.transcriber import Transcriber
+
+    on_loop = []
+
+    def record(fn):
+        def wrapper(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(fn.__name__)
+            except RuntimeError:
+                on_loop.append(False)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for cls, name in ((Transcriber, "start"), (Transcriber, "take"), (WindowRequests, "_initial_prompt_tokens")):
+        monkeypatch.setattr(cls, name, record(getattr(cls, name)))
+    with open(AUDIO / "weather.wav", "rb") as f:
+        got = whisper_server.client().audio.transcriptions.create(
+            model="whisper-1", file=f, prompt="A weather report.", response_format="verbose_json",
+            timestamp_granularities=["word"])
+    assert got.words and len(on_loop) >= 4
+    assert not any(on_loop), on_loop

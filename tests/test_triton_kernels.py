@@ -35,9 +35,11 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from helpers import make_view  # noqa: E402
+from helpers import naive_attention as naive  # noqa: E402
 
 from encdec_engine.attention.backends.base import store_kv  # noqa: E402
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
+from encdec_engine.attention.kv_quant import dequantize_kv, quantize_kv, row_width  # noqa: E402
 from encdec_engine.attention.metadata import AttentionMetadata  # noqa: E402
 from encdec_engine.attention.ops import kv_store, paged_attention  # noqa: E402
 from encdec_engine.worker.input_prep import pad_rows  # noqa: E402
@@ -63,26 +65,25 @@ def test_in_a_fresh_interpreter_process():
     assert " passed" in summary and ", 1 skipped" in summary, summary  # only the fresh-process test skips
 
 
-def naive(q, k, v, scale, mask=None):
-    """q: [T, H, D], k/v: [Tk, Hkv, D], mask: [T, Tk] additive; fp64 for a clean reference."""
-    rep = q.shape[1] // k.shape[1]
-    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    scores = torch.einsum("thd,khd->htk", q, k) * scale
-    if mask is not None:
-        scores = scores + mask.double()
-    return torch.einsum("htk,khd->thd", scores.softmax(-1), v)
-
-
 def paged_cache(k_lens, num_kv_heads, head_dim, block_size, dtype, rng, spare_blocks=3):
-    """Contexts stored at shuffled blocks; returns cache, block tables, and each context's K/V."""
+    """Contexts stored at shuffled blocks; returns cache, block tables, and each context's K/V
+    (for an int8 cache: the stored values, dequantized)."""
     num_blocks = sum(-(-n // block_size) for n in k_lens) + spare_blocks
-    cache = torch.randn(2, num_blocks + 1, block_size, num_kv_heads, head_dim).to(dtype)  # garbage in unused slots
+    shape = (2, num_blocks + 1, block_size, num_kv_heads, row_width(head_dim, dtype))
+    if dtype == torch.int8:  # garbage in unused slots, scales included
+        cache = torch.randint(-127, 128, shape, dtype=torch.int8)
+    else:
+        cache = torch.randn(shape).to(dtype)
     cache[:, 0] = 0
     free = list(rng.permutation(np.arange(1, num_blocks + 1)))
     tables, ks, vs = [], [], []
     for n in k_lens:
         table = [int(free.pop()) for _ in range(-(-n // block_size))]
-        k, v = torch.randn(n, num_kv_heads, head_dim).to(dtype), torch.randn(n, num_kv_heads, head_dim).to(dtype)
+        k, v = torch.randn(n, num_kv_heads, head_dim), torch.randn(n, num_kv_heads, head_dim)
+        if dtype == torch.int8:
+            k, v = (dequantize_kv(quantize_kv(x), head_dim) for x in (k, v))  # what the cache holds
+        else:
+            k, v = k.to(dtype), v.to(dtype)
         pos = np.arange(n)
         store_kv(k, v, cache, torch.tensor(np.array(table)[pos // block_size] * block_size + pos % block_size))
         tables.append(table)
@@ -107,6 +108,28 @@ def test_store_kv_matches_reference(cache_dtype, kv_dtype, num_kv_heads, head_di
     store_kv(key, value, expected, slots)
     kv_store.store_kv_triton(key, value, got, slots.to(torch.int32))
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 12), (1, 64), (2, 100)])  # partial, 1 full, 1 + partial
+def test_store_kv_int8_matches_torch_quantization(kv_dtype, num_kv_heads, head_dim):
+    """The Triton store quantizes exactly as `quantize_kv`: same int8 values, same scale bytes."""
+    torch.manual_seed(1)
+    block_size, num_blocks, num_tokens = 4, 9, 23
+    slots = (torch.randperm(num_blocks * block_size)[:num_tokens] + block_size).to(torch.int64)
+    fused = (torch.randn(num_tokens, 2, num_kv_heads, head_dim) * 3).to(kv_dtype)
+    fused[0, :, 0] = 0  # an all-zero head: scale 1, values 0
+    key, value = fused[:, 0], fused[:, 1]
+    expected = torch.zeros(2, num_blocks + 1, block_size, num_kv_heads, row_width(head_dim, torch.int8),
+                           dtype=torch.int8)
+    got = expected.clone()
+    store_kv(key, value, expected, slots)
+    kv_store.store_kv_triton(key, value, got, slots.to(torch.int32))
+    assert torch.equal(got, expected)
+    # and the rows read back as the values, to within half a quantization step per group
+    back = dequantize_kv(expected[0].view(-1, num_kv_heads, expected.shape[-1])[slots], head_dim)
+    step = key.float().abs().amax(-1, keepdim=True) / 127
+    assert ((back - key.float()).abs() <= step / 2 + 1e-6).all()
 
 
 def test_store_kv_skips_negative_slots():
@@ -156,6 +179,30 @@ def test_paged_decode_matches_torch_backend_and_naive(case, dtype):
     backend = TorchSDPABackend(block_size)
     backend.plan(AttentionMetadata(decoder=view, block_size=block_size))
     torch.testing.assert_close(out, backend.forward(q, None, None, cache, view, scale), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", DECODE_CASES + [(4, 2, 64, 16, [1, 200, 45]), (2, 1, 100, 8, [3, 70])])
+def test_paged_decode_int8_cache_matches_dequantized_reference(case, query_dtype):
+    """int8 cache: the kernel equals attention over the dequantized K/V (up to float rounding), one pass
+    and split into partitions, and the torch backend's int8 path agrees."""
+    num_heads, num_kv_heads, head_dim, block_size, k_lens = case
+    torch.manual_seed(len(k_lens) + 1)
+    cache, tables, ks, vs = paged_cache(k_lens, num_kv_heads, head_dim, block_size, torch.int8,
+                                        np.random.default_rng(sum(k_lens) + 1))
+    scale = head_dim**-0.5
+    q = torch.randn(len(k_lens), num_heads, head_dim).to(query_dtype)
+    ref = torch.cat([naive(q[i : i + 1], ks[i], vs[i], scale) for i in range(len(k_lens))])
+    tol = TOLERANCE[query_dtype]
+    for partition_size in (None, 32):
+        out = paged_attention.paged_decode_attention(q, cache, tables, torch.tensor(k_lens), scale, block_size,
+                                                     max_key_len=max(k_lens), partition_size=partition_size)
+        assert out.dtype == query_dtype and out.shape == q.shape
+        torch.testing.assert_close(out.double(), ref, **tol)
+    view = make_view([1] * len(k_lens), k_lens, True, block_tables=tables)
+    backend = TorchSDPABackend(block_size)
+    backend.plan(AttentionMetadata(decoder=view, block_size=block_size))
+    torch.testing.assert_close(backend.forward(q, None, None, cache, view, scale).double(), ref, **tol)
 
 
 def spare_capacity_case(k_lens, block_size: int, spare_columns: int, seed: int, head_dim: int = 16):
@@ -233,8 +280,9 @@ def backend(monkeypatch):
     return b
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
-def test_backend_prefill_decode_and_store_match_torch_backend(backend, num_kv_heads):
+def test_backend_prefill_decode_and_store_match_torch_backend(backend, num_kv_heads, cache_dtype):
     torch.manual_seed(3)
     H, D, BS = 4, 8, 4
     scale = D**-0.5
@@ -247,7 +295,7 @@ def test_backend_prefill_decode_and_store_match_torch_backend(backend, num_kv_he
     k_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).tolist()
     view = make_view(q_lens, q_lens, True, slot_mapping=slots, key_start_loc=k_start)
     q, k, v = torch.randn(13, H, D), torch.randn(13, num_kv_heads, D), torch.randn(13, num_kv_heads, D)
-    caches = [torch.zeros(2, 9, BS, num_kv_heads, D) for _ in range(2)]
+    caches = [torch.zeros(2, 9, BS, num_kv_heads, row_width(D, cache_dtype), dtype=cache_dtype) for _ in range(2)]
     backend.plan(AttentionMetadata(decoder=view, block_size=BS))
     out = backend.forward(q, k, v, caches[0], view, scale)
     ref = torch_backend.forward(q, k, v, caches[1], make_view(q_lens, q_lens, True, slot_mapping=slots,
@@ -282,11 +330,12 @@ def test_backend_cross_prefill_with_shared_encoder_segments(backend):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_backend_prefill_over_cached_prefix(backend):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_backend_prefill_over_cached_prefix(backend, cache_dtype):
     torch.manual_seed(5)
     H, D, BS = 4, 8, 4
     q_lens, k_lens = [2, 3, 1], [6, 3, 9]
-    cache, tables, ks, vs = paged_cache(k_lens, 2, D, BS, torch.float32, np.random.default_rng(5))
+    cache, tables, ks, vs = paged_cache(k_lens, 2, D, BS, cache_dtype, np.random.default_rng(5))
     view = make_view(q_lens, k_lens, True, block_tables=tables)
     backend.plan(AttentionMetadata(decoder=view, block_size=BS))
     q = torch.randn(6, H, D)

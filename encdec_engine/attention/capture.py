@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from encdec_engine.attention.kv_quant import read_rows
+
 
 @dataclass
 class CaptureRequest:
@@ -35,14 +37,15 @@ class CrossCapture:
 
     def record(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> None:
         """query: [num_tokens, num_heads * head_dim] as the attention saw it (scaled by `scale` inside)."""
-        _, _, _, num_heads, head_dim = kv_cache.shape
-        keys = kv_cache[0].view(-1, num_heads, head_dim)
+        _, _, _, num_heads, width = kv_cache.shape
+        head_dim = query.shape[-1] // num_heads
+        keys = kv_cache[0].view(-1, num_heads, width)
         for req in self.requests:
             heads = req.heads.get(layer)
             if not heads:
                 continue
             q = query[req.query_start : req.query_end].view(-1, num_heads, head_dim)[:, heads].float()
-            k = keys.index_select(0, req.key_slots)[:, heads].float()
+            k = read_rows(keys.index_select(0, req.key_slots)[:, heads], head_dim, torch.float32).float()
             probs = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * scale, dim=-1)
             for head, p in zip(heads, probs):
                 req.probs[(layer, head)] = p

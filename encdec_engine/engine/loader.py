@@ -11,7 +11,7 @@ import torch
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
-from encdec_engine.layers.linear import pack_linears
+from encdec_engine.layers.cpu_kernels import prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.generation_config import load_generation_config
 from encdec_engine.models.tokenizer_files import load_tokenizer, tokenizer_if_any
@@ -99,7 +99,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     except ValueError as e:  # a tensor of the wrong shape, one missing or left over
         raise ValueError(f"{path}: the weights ({', '.join(f.name for f in files)}) do not fit config.json: {e}") from e
     model = model.to(device=device, dtype=dtype).eval()
-    pack_linears(model)  # CPU fp32: oneDNN's packed layout, about 2x MKL's speed (layers/linear.py)
+    prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (layers/cpu_kernels.py)
 
     eos = hf_config.eos_token_id
     if isinstance(eos, list):

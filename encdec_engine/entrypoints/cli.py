@@ -24,13 +24,34 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> Non
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the device for weights, activations and the KV pool")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode eagerly, without CUDA graphs")
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="CPU: int8 weights with per-channel scales for every linear")
+    p.add_argument("--compute-type", default=None,
+                   help="faster-whisper's spelling: int8 (or int8_float32) = --quantization int8, float32")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                   help="int8: KV cache rows quantized with per-group scales (about 4x the tokens of fp32)")
+
+
+# faster-whisper's --compute_type values the engine runs, as (quantization, dtype)
+_COMPUTE_TYPES = {"int8": ("int8", "float32"), "int8_float32": ("int8", "float32"), "float32": (None, "float32"),
+                  "default": (None, None), "auto": (None, None)}
 
 
 def _engine_kwargs(args) -> dict:
     """The EngineConfig fields every command takes (see _engine_args)."""
-    return dict(dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+    quantization, dtype = args.quantization, args.dtype
+    if args.compute_type is not None:
+        if args.compute_type not in _COMPUTE_TYPES:
+            raise ValueError(f"--compute-type {args.compute_type}: the engine runs {', '.join(_COMPUTE_TYPES)}; "
+                             "half precision is --dtype bfloat16/float16")
+        quantization_ct, dtype_ct = _COMPUTE_TYPES[args.compute_type]
+        if quantization and quantization_ct != quantization:
+            raise ValueError(f"--compute-type {args.compute_type} contradicts --quantization {quantization}")
+        quantization = quantization or quantization_ct
+        dtype = dtype_ct if dtype_ct and dtype == "auto" else dtype
+    return dict(dtype=dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 kv_cache_space_gb=args.kv_cache_space_gb, gpu_memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, quantization=quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _llm(args):
@@ -54,6 +75,7 @@ def cmd_transcribe(args) -> int:
     if args.temperature is not None:
         options["temperatures"] = (args.temperature,)
     TranscribeOptions(**options)  # bad values fail before the model loads
+    _engine_kwargs(args)
     writes = args.output_dir or args.output_format
     subtitles = _subtitle_options(args, writes=bool(writes))
     if writes:  # before any work: a bad destination must not cost the transcription
@@ -163,8 +185,11 @@ def cmd_generate(args) -> int:
             c = out.outputs[0]
             record = {"request_id": out.request_id, "text": c.text, "token_ids": c.token_ids,
                       "finish_reason": c.finish_reason}
+            if out.error is not None:  # it failed alone; the others ran to the end
+                record["error"] = out.error
+                print(f"error: prompt {out.request_id} failed: {out.error}", file=sys.stderr)
             sink.write(json.dumps(record) + "\n")
-    return 0
+    return 1 if any(out.error is not None for out in outs) else 0
 
 
 def cmd_summarize(args) -> int:
@@ -198,7 +223,8 @@ def cmd_serve(args) -> int:
         model = str(import_ct2_whisper(model, Path(model) / ".encdec-hf"))
     limits = ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
                           max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
-                          max_audio_seconds=args.max_audio_seconds)
+                          max_audio_seconds=args.max_audio_seconds, max_audio_memory_mb=args.max_audio_memory_mb,
+                          protect_info=args.protect_info)
     engine = dict(_engine_kwargs(args), swap_space_gb=args.swap_space_gb,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
@@ -221,9 +247,15 @@ def _add_serve_parser(sub) -> None:
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     sv.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $ENCDEC_API_KEY, else none)")
+    sv.add_argument("--protect-info", action=argparse.BooleanOptionalAction, default=None,
+                    help="/metrics, /docs, /redoc and /openapi.json need the API key too (without a key: are "
+                         "not served); default: on when an API key is set")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting to start; beyond: 429")
     sv.add_argument("--max-upload-mb", type=float, default=25.0, help="request body limit; beyond: 413")
     sv.add_argument("--max-audio-seconds", type=float, default=3600.0, help="audio length limit; beyond: 413")
+    sv.add_argument("--max-audio-memory-mb", type=float, default=4096.0,
+                    help="memory for the audio of transcriptions in flight (uploads, samples, log-mels: about "
+                         "350 MB per hour of audio), held from upload to the job's end; beyond: 429")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

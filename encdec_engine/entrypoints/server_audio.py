@@ -4,10 +4,7 @@ it off the event loop, running the transcription, and answering in the requested
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,20 +12,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 
 from encdec_engine.entrypoints import protocol as P
 from encdec_engine.entrypoints.server_errors import APIError, engine_error
-from encdec_engine.entrypoints.server_gate import Ticket
+from encdec_engine.entrypoints.server_gate import Reservation, Ticket
 from encdec_engine.entrypoints.server_state import ServerState, SSEResponse, sse, sse_error, state_of, until_disconnect
+from encdec_engine.entrypoints.server_uploads import UploadedAudio, job_bytes
 from encdec_engine.entrypoints.writers import render
-from encdec_engine.speech.audio import AUDIO_EXTENSIONS, N_FRAMES, SAMPLE_RATE, AudioError, load_audio, load_audio_bytes
+from encdec_engine.speech.audio import N_FRAMES, SAMPLE_RATE
 from encdec_engine.speech.async_driver import transcribe_async
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.results import Transcription
 from encdec_engine.speech.transcriber import Transcriber
-
-# Containers libsndfile cannot read from memory; decoded through a temporary file and ffmpeg.
-_FFMPEG_ONLY = AUDIO_EXTENSIONS - {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".au"}
 
 router = APIRouter()
 
@@ -46,38 +42,44 @@ async def create_translation(request: Request) -> Response:
 async def _audio_request(request: Request, task: str) -> Response:
     st = state_of(request)
     st.require(audio=True, path=request.url.path)
-    upload, fields = await _read_form(request)
-    schema = P.TranscriptionRequest if task == "transcribe" else P.TranslationRequest
+    # Admitted before the body is read: a queue slot, and audio memory for the upload (the gate has
+    # refused a Content-Length over the limit; a body of unknown length is counted at the limit).
+    length = request.headers.get("content-length", "")
+    ticket = st.admission.acquire(1)
     try:
-        req = schema.model_validate(fields)
-    except ValidationError as e:
-        raise APIError(400, *P.describe_validation_errors(e.errors())) from None
-    st.check_model(req.model)
-    data = await upload.read()
-    if len(data) > st.limits.max_body_bytes:
-        raise APIError(413, f"upload is larger than this server's limit of {st.limits.max_upload_mb:g} MB", "file")
-    stream = getattr(req, "stream", False)
-    # A stream decodes exactly as the non-streamed answer does (timestamps, fallback, silence skipping)
-    # and sends each window's text once the window is final: nothing sent is ever taken back.
-    options = TranscribeOptions(language=getattr(req, "language", None), task=task, initial_prompt=req.prompt,
-                                temperatures=_fallback_temperatures(req.temperature),
-                                word_timestamps=getattr(req, "words", False),
-                                chunked=getattr(req, "chunking_strategy", None) == "auto",
-                                **req.decoding_options())
+        reservation = st.audio_memory.reserve(int(length) if length.isdigit() else st.limits.max_body_bytes)
+    except APIError:
+        ticket.release_all()
+        raise
+    handed_over = False
     try:
-        transcriber = Transcriber(st.engine.engine, options)
-        transcriber.tokens.decoder_prompt(options.language, task)  # language and task on this checkpoint
-    except ValueError as e:
-        raise APIError(400, str(e), "language") from None
-    ticket, handed_over = st.admission.acquire(1), False
-    try:
-        async with st.preprocess:
-            job = await asyncio.to_thread(_load_job, transcriber, data, upload.filename or "upload",
-                                          st.limits.max_audio_seconds)
+        upload, fields = await _read_form(request)
+        schema = P.TranscriptionRequest if task == "transcribe" else P.TranslationRequest
+        try:
+            req = schema.model_validate(fields)
+        except ValidationError as e:
+            raise APIError(400, *P.describe_validation_errors(e.errors())) from None
+        st.check_model(req.model)
+        stream = getattr(req, "stream", False)
+        # A stream decodes exactly as the non-streamed answer does (timestamps, fallback, silence skipping)
+        # and sends each window's text once the window is final: nothing sent is ever taken back.
+        options = TranscribeOptions(language=getattr(req, "language", None), task=task, initial_prompt=req.prompt,
+                                    temperatures=_fallback_temperatures(req.temperature),
+                                    word_timestamps=getattr(req, "words", False),
+                                    chunked=getattr(req, "chunking_strategy", None) == "auto",
+                                    **req.decoding_options())
+        # Tokenizing the prompt (up to the field's cap) is CPU work: off the event loop.
+        transcriber = await asyncio.to_thread(_transcriber, st.engine.engine, options, task)
+        data = await upload.read()
+        reservation.resize(len(data))
+        job = await _load_job(st, transcriber, UploadedAudio(data, upload.filename or "upload",
+                                                             st.limits.max_audio_seconds), reservation)
+        del data
         request_id = st.engine.new_request_id("transcribe")
         if stream:
             handed_over = True
-            return SSEResponse(_transcript_events(st, transcriber, job, request_id, ticket), None, ticket)
+            return SSEResponse(_transcript_events(st, transcriber, job, request_id, ticket), None, ticket,
+                               reservation)
 
         async def run() -> Transcription:
             async for _ in transcribe_async(st.engine, transcriber, job, request_id, ticket):
@@ -85,12 +87,40 @@ async def _audio_request(request: Request, task: str) -> Response:
             return transcriber.result(job)
 
         result = await until_disconnect(request, run())
+    except HTTPException:  # the form parser's own 400s
+        raise
     except Exception as e:
         raise engine_error(e) from None
     finally:
         if not handed_over:
             ticket.release_all()
+            reservation.release()
     return _audio_response(result, req.response_format, task, getattr(req, "timestamp_granularities", []))
+
+
+def _transcriber(engine, options: TranscribeOptions, task: str) -> Transcriber:
+    try:
+        transcriber = Transcriber(engine, options)
+        transcriber.tokens.decoder_prompt(options.language, task)  # language and task on this checkpoint
+    except ValueError as e:
+        raise APIError(400, str(e), "language" if "language" in str(e) else "prompt") from None
+    return transcriber
+
+
+async def _load_job(st: ServerState, transcriber: Transcriber, upload: UploadedAudio, reservation: Reservation):
+    """Probe, decode and featurize an upload in a worker (at most `preprocess_workers` at once), with
+    the reservation grown to the decode's peak first and then shrunk to what the job holds."""
+    n_mels = st.engine.engine.model.num_mel_bins
+    async with st.preprocess:
+        with upload:
+            probe = await asyncio.to_thread(upload.probe)
+            reservation.resize(upload.decode_peak_bytes(probe, n_mels))
+            samples = await asyncio.to_thread(upload.decode)
+        job = await asyncio.to_thread(transcriber.load, 0, (samples, SAMPLE_RATE))
+    if job.error is not None:
+        raise APIError(400, f"cannot use the uploaded audio: {job.error}", "file")
+    reservation.resize(job_bytes(job))
+    return job
 
 
 async def _read_form(request: Request) -> tuple[UploadFile, dict[str, Any]]:
@@ -122,56 +152,6 @@ async def _read_form(request: Request) -> tuple[UploadFile, dict[str, Any]]:
 def _fallback_temperatures(start: float) -> tuple[float, ...]:
     """openai-whisper's schedule: from `start` up to 1.0 in steps of 0.2."""
     return tuple(round(t, 2) for t in np.arange(start, 1.0 + 1e-6, 0.2)) or (start,)
-
-
-def _load_job(transcriber: Transcriber, data: bytes, name: str, max_seconds: float):
-    """Decode an upload and compute its log-mel (in a worker thread). Raises APIError 400 / 413."""
-    try:
-        import soundfile
-
-        info = soundfile.info(_named_bytes(data, name))  # a cheap look before decoding everything
-    except Exception:
-        info = None  # not a format libsndfile knows; the decoder below says what is wrong
-    if info is not None and info.samplerate > 0 and info.frames / info.samplerate > max_seconds:
-        raise _too_long(info.frames / info.samplerate, max_seconds)
-    suffix = Path(name).suffix.lower()
-    try:
-        samples = load_audio_bytes(data, name)
-    except AudioError as e:
-        if not data or suffix not in _FFMPEG_ONLY:
-            raise APIError(400, f"cannot decode the uploaded audio: {e}", "file") from None
-        samples = _decode_via_file(data, suffix, name)  # m4a, webm, ...: ffmpeg reads paths only
-    if len(samples) > max_seconds * SAMPLE_RATE:
-        raise _too_long(len(samples) / SAMPLE_RATE, max_seconds)
-    job = transcriber.load(0, (samples, SAMPLE_RATE))
-    if job.error is not None:
-        raise APIError(400, f"cannot use the uploaded audio: {job.error}", "file")
-    return job
-
-
-def _named_bytes(data: bytes, name: str):
-    import io
-
-    buffer = io.BytesIO(data)
-    buffer.name = name
-    return buffer
-
-
-def _decode_via_file(data: bytes, suffix: str, name: str) -> np.ndarray:
-    fd, path = tempfile.mkstemp(suffix=suffix)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return load_audio(path)
-    except AudioError:
-        raise APIError(400, f"cannot decode the uploaded audio {name!r} (corrupt or unsupported codec)",
-                       "file") from None
-    finally:
-        os.unlink(path)
-
-
-def _too_long(seconds: float, limit: float) -> APIError:
-    return APIError(413, f"audio is {seconds:.1f} s long; this server accepts at most {limit:g} s", "file")
 
 
 async def _transcript_events(st: ServerState, transcriber: Transcriber, job, request_id: str,

@@ -16,14 +16,22 @@ if TYPE_CHECKING:
     from encdec_engine.entrypoints.server_state import ServerState
 
 _API_PATHS = ("/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models")
+# What the server tells about itself (load, the API's shape): guarded when ServerLimits.protects_info.
+INFO_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 @dataclass(frozen=True)
 class ServerLimits:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
+    # /metrics, /docs, /redoc and /openapi.json need the key too (without a key they are not served).
+    # None: on when api_key is set.
+    protect_info: bool | None = None
     max_queue: int = 256  # engine requests admitted but not yet running; more get 429
     max_upload_mb: float = 25.0  # request body size (OpenAI's audio limit); more get 413
     max_audio_seconds: float = 3600.0  # decoded audio length; more get 413
+    # Audio held by the transcriptions in flight (uploads, samples, log-mels: about 350 MB per hour of
+    # audio), reserved before a body is read and held until its job ends; more get 429.
+    max_audio_memory_mb: float = 4096.0
     preprocess_workers: int = 2  # audio decodes / log-mels computed at once (off the event loop)
 
     def __post_init__(self) -> None:
@@ -31,10 +39,17 @@ class ServerLimits:
             raise ValueError(f"max_queue must be at least 1, got {self.max_queue}")
         if self.max_upload_mb <= 0 or self.max_audio_seconds <= 0:
             raise ValueError("max_upload_mb and max_audio_seconds must be positive")
+        if self.max_audio_memory_mb < self.max_upload_mb:
+            raise ValueError(f"max_audio_memory_mb ({self.max_audio_memory_mb:g}) must be at least max_upload_mb "
+                             f"({self.max_upload_mb:g}): one upload must fit")
         if self.preprocess_workers < 1:
             raise ValueError(f"preprocess_workers must be at least 1, got {self.preprocess_workers}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no key)")
+
+    @property
+    def protects_info(self) -> bool:
+        return self.api_key is not None if self.protect_info is None else self.protect_info
 
     @property
     def max_body_bytes(self) -> int:
@@ -86,6 +101,43 @@ class Admission:
         return Ticket(self, n)
 
 
+# -- audio memory: bytes held by transcriptions in flight ---------------------
+class Reservation:
+    """Bytes one transcription holds in the server's `AudioMemory`, resized as it moves from upload to
+    decoded job; released once (when the job ends)."""
+
+    def __init__(self, memory: AudioMemory) -> None:
+        self.memory, self.held = memory, 0
+
+    def resize(self, nbytes: int) -> None:
+        """Hold `nbytes` now (more or fewer than before); 429 if growing does not fit."""
+        self.memory.take(max(0, nbytes) - self.held)
+        self.held = max(0, nbytes)
+
+    def release(self) -> None:
+        self.memory.take(-self.held)
+        self.held = 0
+
+
+class AudioMemory:
+    """The byte budget of audio in flight (event loop only, so exact)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit, self.used = limit_bytes, 0
+
+    def reserve(self, nbytes: int) -> Reservation:
+        reservation = Reservation(self)
+        reservation.resize(nbytes)
+        return reservation
+
+    def take(self, nbytes: int) -> None:
+        if nbytes > 0 and self.used + nbytes > self.limit:
+            mb = 1 << 20
+            raise APIError(429, f"server busy: transcriptions in flight hold {self.used / mb:.0f} MB of audio; this "
+                                f"one needs {nbytes / mb:.0f} MB more (limit {self.limit / mb:.0f} MB); retry shortly")
+        self.used += nbytes
+
+
 # -- the gate: API key, body size, metrics (pure ASGI, so streaming is timed to the last byte) --
 class Gate:
     def __init__(self, app, state: ServerState) -> None:
@@ -119,7 +171,10 @@ class Gate:
         try:
             headers = dict(scope["headers"])
             error = None
-            if limits.api_key is not None and path.startswith("/v1"):
+            guarded = path.startswith("/v1") or (limits.protects_info and path in INFO_PATHS)
+            if limits.protects_info and path in INFO_PATHS and limits.api_key is None:
+                error = APIError(404, f"{path} is not served here (--protect-info without an API key)")
+            elif limits.api_key is not None and guarded:
                 error = _check_api_key(headers.get(b"authorization"), limits.api_key)
             length = headers.get(b"content-length", b"")
             if error is None and length.isdigit() and int(length) > limits.max_body_bytes:

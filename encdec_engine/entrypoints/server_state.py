@@ -14,9 +14,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from encdec_engine.engine.async_engine import AsyncLLMEngine
-from encdec_engine.entrypoints import protocol as P
 from encdec_engine.entrypoints.server_errors import APIError, engine_error
-from encdec_engine.entrypoints.server_gate import Admission, ServerLimits, Ticket
+from encdec_engine.entrypoints.server_gate import Admission, AudioMemory, Reservation, ServerLimits, Ticket
 from encdec_engine.entrypoints.server_metrics import Metrics
 
 T = TypeVar("T")
@@ -33,6 +32,7 @@ class ServerState:
         self.model_name = served_model_name or Path(self.model_path).name or self.model_path
         self.aliases = {self.model_name, self.model_path} | ({"whisper-1"} if self.is_audio else set())
         self.admission = Admission(limits.max_queue)
+        self.audio_memory = AudioMemory(int(limits.max_audio_memory_mb * (1 << 20)))
         self.metrics = Metrics()
         self.preprocess = asyncio.Semaphore(limits.preprocess_workers)
 
@@ -58,20 +58,19 @@ def sse(payload: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
-def sse_error(e: Exception) -> str:
-    err = engine_error(e)
-    return sse(P.ErrorResponse(error=P.ErrorInfo(message=err.message, type=err.TYPES.get(err.status, "error"),
-                                                 code=err.status)))
+def sse_error(e: Exception, request_id: str | None = None) -> str:
+    return sse(engine_error(e, request_id).body())
 
 
 class SSEResponse(StreamingResponse):
     """A server-sent event stream that always cleans up: closes its event generator and the engine
-    outputs behind it (aborting unfinished requests) and frees its queue slots, even when the client
-    left before the first byte."""
+    outputs behind it (aborting unfinished requests) and frees its queue slots and audio memory, even
+    when the client left before the first byte."""
 
-    def __init__(self, events: AsyncIterator[str], outputs: AsyncIterator | None, ticket: Ticket) -> None:
+    def __init__(self, events: AsyncIterator[str], outputs: AsyncIterator | None, ticket: Ticket,
+                 reservation: Reservation | None = None) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._events, self._outputs, self._ticket = events, outputs, ticket
+        self._events, self._outputs, self._ticket, self._reservation = events, outputs, ticket, reservation
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -81,6 +80,8 @@ class SSEResponse(StreamingResponse):
             if self._outputs is not None:
                 await self._outputs.aclose()
             self._ticket.release_all()
+            if self._reservation is not None:
+                self._reservation.release()
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

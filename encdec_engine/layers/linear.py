@@ -1,9 +1,9 @@
-"""CPU fp32 matmuls through oneDNN, with each weight packed once after loading.
+"""CPU fp32 matmuls through oneDNN, with each weight packed once after loading; the vocab head.
 
 torch's `F.linear` on the CPU calls MKL, and MKL keeps AMD CPUs on its AVX2 kernels. oneDNN
 (which torch also ships, and which inductor uses for frozen CPU linears) runs AVX-512 there
-and takes the weight pre-packed into its blocked layout. Measured on this project's 2-core
-AMD EPYC, fp32 (ms, `F.linear` -> packed):
+and takes the weight pre-packed into its blocked layout. Measured on a 2-core AMD EPYC with
+AVX-512, fp32 (ms, `F.linear` -> packed):
 
     shape (in -> out)   rows   F.linear   packed
     384 -> 1,536           1      0.040    0.029
@@ -12,16 +12,23 @@ AMD EPYC, fp32 (ms, `F.linear` -> packed):
     384 -> 51,864          1      5.24     1.31     (tiny.en's output head, one decode row)
     384 -> 51,864         16      9.81     2.19
 
-The results differ from `F.linear` only in summation order (~1e-6 relative). Elsewhere (CUDA,
-other dtypes, a torch built without oneDNN) everything stays on `F.linear`.
+On an AVX2-only EPYC the two are about even, so whether to pack is decided per machine
+(`layers/cpu_kernels.py`). The results differ from `F.linear` only in summation order (~1e-6
+relative). Elsewhere (CUDA, other dtypes, a torch built without oneDNN) everything stays on
+`F.linear`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 _PACK_ROWS = 64  # row count oneDNN picks its packed layout for; measured best from 1 to 1,500 rows
+
+# Turns an [out, in] weight (and bias) into a callable x: [..., in] -> [..., out].
+WeightKernel = Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], torch.Tensor]]
 
 
 def onednn_packing_available() -> bool:
@@ -29,7 +36,7 @@ def onednn_packing_available() -> bool:
 
 
 def packs(weight: torch.Tensor) -> bool:
-    """Whether `weight` ([out, in]) runs through the packed oneDNN path."""
+    """Whether `weight` ([out, in]) can run through the packed oneDNN path."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_packing_available()
 
 
@@ -41,6 +48,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias for x: [..., in] -> [..., out]."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedWeight:
+    """An fp32 [out, in] weight in oneDNN's packed layout, ready for x @ w.T + b."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.packed, self.bias = pack_weight(weight), bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.packed, self.bias)
 
 
 class PackedLinear(nn.Module):
@@ -59,35 +76,48 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` whose weight `packs` with a PackedLinear; returns how many.
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
+                    applies: Callable[[torch.Tensor], bool]) -> int:
+    """Replace every `nn.Linear` whose weight `applies` with `make(linear)`; returns how many.
 
-    Called once, after the weights are loaded and moved: a packed layer no longer holds
+    Called once, after the weights are loaded and moved: a replaced layer no longer holds
     `weight`, so a later load or `.to()` must not follow.
     """
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is nn.Linear and packs(child.weight)]
+             if type(child) is nn.Linear and applies(child.weight)]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, make(child))
     return len(swaps)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every CPU fp32 `nn.Linear` with a PackedLinear; returns how many."""
+    return replace_linears(model, PackedLinear, packs)
 
 
 class VocabProjection:
     """Logits = hidden @ weight.T for an output head of shape [vocab, hidden].
 
-    The head is often tied to the input embedding, which keeps its plain layout, so on the
-    CPU this holds a packed copy of it beside (one more head's worth of memory), refreshed
-    if the weight is replaced or changed in place. Elsewhere it is `F.linear`.
+    The head is often tied to the input embedding, which keeps its plain float layout (the
+    lookup needs it), so a kernel that wants the weight in another form (oneDNN-packed, int8)
+    gets its own copy beside it (`use`), refreshed if the weight is replaced or changed in
+    place. Without one (and for weights the kernel does not take) it is `F.linear`.
     """
 
     def __init__(self) -> None:
-        self._packed: torch.Tensor | None = None
+        self._kernel: WeightKernel | None = None
+        self._applies: Callable[[torch.Tensor], bool] = packs
+        self._prepared: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._key: tuple | None = None
 
+    def use(self, kernel: WeightKernel | None, applies: Callable[[torch.Tensor], bool] = packs) -> None:
+        """Project through `kernel(weight, None)` for weights that `applies`; None: F.linear."""
+        self._kernel, self._applies, self._prepared, self._key = kernel, applies, None, None
+
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not packs(weight):
+        if self._kernel is None or not self._applies(weight):
             return nn.functional.linear(hidden, weight)
         key = (weight.data_ptr(), weight._version, weight.shape)
         if self._key != key:  # loaded, or changed since
-            self._packed, self._key = pack_weight(weight), key
-        return packed_linear(hidden, self._packed, None)
+            self._prepared, self._key = self._kernel(weight, None), key
+        return self._prepared(hidden)

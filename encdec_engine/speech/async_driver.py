@@ -37,7 +37,10 @@ async def transcribe_async(engine: AsyncLLMEngine, transcriber: Transcriber, job
 
     `slots` holds one slot for each job waiting for its first output: the caller holds the input's
     first, and each chunk fanned out adds one. An error in any request, or the caller leaving,
-    cancels the other requests, which aborts them in the engine."""
+    cancels the other requests, which aborts them in the engine.
+
+    Moving a job on (its chunks planned, a window's words aligned by DTW, the next request built)
+    runs in a worker thread, so that one long input never stalls the event loop's other streams."""
     events: asyncio.Queue = asyncio.Queue()  # (job, RequestOutput) | Exception
     tasks: set[asyncio.Task] = set()
     request_ids: dict[TranscriptionJob, Iterator[str]] = {}
@@ -70,7 +73,7 @@ async def transcribe_async(engine: AsyncLLMEngine, transcriber: Transcriber, job
             task.add_done_callback(tasks.discard)
 
     try:
-        ready = transcriber.start(job)
+        ready = await asyncio.to_thread(transcriber.start, job)
         send(ready, job)
         in_flight = len(ready)
         while in_flight:
@@ -84,7 +87,7 @@ async def transcribe_async(engine: AsyncLLMEngine, transcriber: Transcriber, job
                     slots.release()
             yield out
             if out.finished:  # taken only now: the caller saw the window before the job moved on
-                ready = transcriber.take(owner, out)  # the job itself, none, or its chunks
+                ready = await asyncio.to_thread(transcriber.take, owner, out)  # the job itself, none, or its chunks
                 send(ready, owner)
                 in_flight += len(ready) - 1
     finally:

@@ -32,6 +32,16 @@ class AudioError(ValueError):
     """An audio input could not be used; the message names the file."""
 
 
+class AudioTooLong(AudioError):
+    """The audio is longer than the caller's limit (found before or while decoding, never after
+    decoding more than the limit)."""
+
+    def __init__(self, seconds: float, limit: float, name: str, *, at_least: bool = False) -> None:
+        more = "more than " if at_least else ""
+        super().__init__(f"audio is {more}{seconds:.1f} s long; the limit is {limit:g} s: {name}")
+        self.seconds, self.limit = seconds, limit
+
+
 def _describe(source: AudioSource) -> str:
     if isinstance(source, (str, os.PathLike)):
         return str(source)
@@ -80,32 +90,37 @@ def _to_mono(samples: np.ndarray, sample_rate: int, target_rate: int, *, channel
     return np.ascontiguousarray(samples, dtype=np.float32)
 
 
-def _decode_soundfile(source: AudioSource) -> tuple[np.ndarray, int]:
+def _decode_soundfile(source: AudioSource, max_seconds: float | None) -> tuple[np.ndarray, int]:
     import soundfile
 
-    # always_2d gives one layout for every file: [num_samples, channels].
-    data, rate = soundfile.read(source, dtype="float32", always_2d=True)
-    return data, rate
+    with soundfile.SoundFile(source) as f:
+        # One frame past the limit tells "too long" without decoding the rest (headers can lie).
+        frames = -1 if max_seconds is None else int(max_seconds * f.samplerate) + 1
+        # always_2d gives one layout for every file: [num_samples, channels].
+        return f.read(frames, dtype="float32", always_2d=True), f.samplerate
 
 
-def _decode_audioread(path: str) -> tuple[np.ndarray, int]:
+def _decode_audioread(path: str, max_seconds: float | None) -> tuple[np.ndarray, int]:
     # Formats libsndfile lacks (m4a, aac, wma...) go through audioread/ffmpeg via librosa.
     import librosa
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # librosa flags its audioread fallback as deprecated
-        data, rate = librosa.load(path, sr=None, mono=False)
+        # librosa stops reading at `duration`: a small file that decodes to hours never fills memory.
+        duration = None if max_seconds is None else max_seconds + 0.1
+        data, rate = librosa.load(path, sr=None, mono=False, duration=duration)
     data = data[np.newaxis, :] if data.ndim == 1 else data  # data: [channels, num_samples]
     return data.T, int(rate)
 
 
-def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE) -> np.ndarray:
+def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE, max_seconds: float | None = None) -> np.ndarray:
     """Decode an audio file (path or binary file object) to float32 mono at ``sr`` Hz.
 
     Reads WAV, FLAC, OGG/Vorbis/Opus and MP3 with libsndfile; for paths, anything else
     ffmpeg (through audioread) can decode. Any sample rate and channel count.
     Raises ``AudioError`` naming the file when it is missing, empty, has no samples,
-    has an unsupported extension, or cannot be decoded. Returns ``[num_samples]``.
+    has an unsupported extension, or cannot be decoded, and ``AudioTooLong`` when it holds
+    more than ``max_seconds`` of audio (decoding stops there). Returns ``[num_samples]``.
     """
     name = _describe(path_or_file)
     is_path = isinstance(path_or_file, (str, os.PathLike))
@@ -118,7 +133,7 @@ def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE) -> np.ndarray:
         if path.stat().st_size == 0:
             raise AudioError(f"audio file is empty (0 bytes): {name}")
     try:
-        data, rate = _decode_soundfile(path_or_file)
+        data, rate = _decode_soundfile(path_or_file, max_seconds)
     except Exception as sf_error:  # libsndfile raises several types for bad input
         suffix = Path(name).suffix.lower()
         if not is_path:
@@ -126,11 +141,13 @@ def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE) -> np.ndarray:
         if suffix not in AUDIO_EXTENSIONS:
             raise AudioError(f"unsupported audio format {suffix or '(no extension)'!r}: {name}") from sf_error
         try:
-            data, rate = _decode_audioread(str(path_or_file))
+            data, rate = _decode_audioread(str(path_or_file), max_seconds)
         except Exception as ar_error:
             raise AudioError(f"cannot decode audio file (corrupt or unsupported codec): {name}") from ar_error
     if data.size == 0:
         raise AudioError(f"audio file contains no samples: {name}")
+    if max_seconds is not None and len(data) > max_seconds * rate:
+        raise AudioTooLong(len(data) / rate, max_seconds, name, at_least=True)
     try:
         return _to_mono(data, rate, sr, channels_last=True)  # data: [num_samples, channels]
     except AudioError as e:
@@ -159,13 +176,13 @@ def audio_samples(audio) -> np.ndarray:
     return samples
 
 
-def load_audio_bytes(data: bytes, name: str = "<bytes>") -> np.ndarray:
+def load_audio_bytes(data: bytes, name: str = "<bytes>", max_seconds: float | None = None) -> np.ndarray:
     """Decode in-memory file contents (e.g. an upload) to float32 mono 16 kHz ``[num_samples]``."""
     if not data:
         raise AudioError(f"audio data is empty (0 bytes): {name}")
     buffer = io.BytesIO(data)
     buffer.name = name  # so errors name the upload
-    return load_audio(buffer)
+    return load_audio(buffer, max_seconds=max_seconds)
 
 
 def audio_inputs(audio) -> list:

@@ -1,6 +1,9 @@
 """The paged KV pool: one tensor per decoder layer, shared by self and cross attention.
 
-    kv_caches[layer]: [2 (k, v), num_blocks + 1, block_size, num_kv_heads, head_dim]
+    kv_caches[layer]: [2 (k, v), num_blocks + 1, block_size, num_kv_heads, row_width]
+
+row_width is head_dim, or for an int8 cache the int8 values and their scales
+(attention/kv_quant.py), so every block move carries the scales with the values.
 
 Block 0 is the padding block (zero, never handed out). The optional swap pool
 has the same layout in CPU memory; the cache engine carries out the block
@@ -11,13 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from encdec_engine.attention.kv_quant import row_width
 from encdec_engine.models.interface import KVCacheSpec
 
 
 def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:
-    """KV bytes one block holds across all decoder layers."""
+    """KV bytes one block holds across all decoder layers (int8: values and their scales)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * row_width(spec.head_dim, dtype) * elem
 
 
 class CacheEngine:
@@ -31,12 +35,13 @@ class CacheEngine:
         device: torch.device,
     ) -> None:
         self.block_size = block_size
-        shape = (2, num_device_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
+        width = row_width(spec.head_dim, dtype)  # head_dim, or an int8 row's values + scales
+        shape = (2, num_device_blocks + 1, block_size, spec.num_kv_heads, width)
         # torch.empty leaves untouched pages uncommitted; only the padding block must be zero.
         self.kv_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         for cache in self.kv_caches:
             cache[:, 0].zero_()
-        swap_shape = (2, num_swap_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        swap_shape = (2, num_swap_blocks, block_size, spec.num_kv_heads, width)
         pin = device.type == "cuda"
         self.swap_caches = (
             [torch.empty(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(spec.num_layers)]

@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from encdec_engine.attention.kv_quant import KV_QUANT_GROUP, tokens_ratio
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
 from encdec_engine.worker.cache_engine import bytes_per_block
@@ -251,10 +252,14 @@ class KVPoolReport:
 
     def describe(self) -> str:
         per_block = self.bytes_per_block
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.dtype == torch.int8:
+            dtype += (f" with a float32 scale per {KV_QUANT_GROUP} dims: "
+                      f"{tokens_ratio(self.spec.head_dim, self.dtype):.2f}x the tokens of float32")
         lines = [
             f"KV pool: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} token slots, "
             f"{_size(self.pool_bytes)} ({self.spec.num_layers} layers x {self.spec.num_kv_heads} KV heads x "
-            f"head_dim {self.spec.head_dim}, {str(self.dtype).removeprefix('torch.')}, {_size(per_block)}/block)",
+            f"head_dim {self.spec.head_dim}, {dtype}, {_size(per_block)}/block)",
         ]
         if self.cross_positions:
             n = self.cross_positions

@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from encdec_engine.attention.kv_quant import write_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
 
@@ -23,7 +24,7 @@ class AttentionBackend(Protocol):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor | None,  # [num_kv_tokens, num_kv_heads, head_dim]; None: read the cache only
         value: torch.Tensor | None,  # [num_kv_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, num_kv_heads, row_width (head_dim unless int8)]
         view: AttentionView,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
@@ -34,10 +35,11 @@ class AttentionBackend(Protocol):
 def store_kv(
     key: torch.Tensor,  # [num_kv_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_kv_tokens, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, row_width]
     slot_mapping: torch.Tensor,  # [num_kv_tokens] int64
 ) -> None:
-    """Write K/V into their cache slots (slot = block * block_size + offset)."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    """Write K/V into their cache slots (slot = block * block_size + offset), quantized for an
+    int8 cache (row_width then holds the values and their scales, attention/kv_quant.py)."""
+    _, _, _, num_kv_heads, width = kv_cache.shape
+    kv_cache[0].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, write_rows(key, kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, write_rows(value, kv_cache.dtype))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from encdec_engine.attention.backends.base import store_kv
+from encdec_engine.attention.kv_quant import as_stored, attend_int8_rows, num_groups, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
 _SLICE_MIN_KEYS = 128  # below this, one padded gather beats a loop over sequences
@@ -86,6 +87,8 @@ class TorchSDPABackend:
     def forward(self, query, key, value, kv_cache, view: AttentionView, scale: float) -> torch.Tensor:
         if key is not None and view.slot_mapping is not None and kv_cache is not None:
             store_kv(key, value, kv_cache, view.slot_mapping)
+            if not view.reads_cache:  # attend to the K/V as the cache holds them (int8: rounded)
+                key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
         if view.reads_cache:
             return self._attend_cache(query, kv_cache, view, scale)
         return self._attend_fresh(query, key, value, view, scale)
@@ -132,10 +135,10 @@ class TorchSDPABackend:
         if isinstance(view.plan, _SlicePlan):
             return self._attend_slices(query, kv_cache, view, view.plan, scale)
         plan = view.plan if isinstance(view.plan, _GatherPlan) else plan_gather(view, self.block_size)
-        _, _, _, num_kv_heads, head_dim = kv_cache.shape
-        num_seqs, max_key = view.num_seqs, view.max_key_len
-        k = kv_cache[0].view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
-        v = kv_cache[1].view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+        _, _, _, num_kv_heads, width = kv_cache.shape
+        num_seqs, max_key, head_dim = view.num_seqs, view.max_key_len, query.shape[-1]
+        k = read_rows(kv_cache[0].view(-1, num_kv_heads, width).index_select(0, plan.slots), head_dim, query.dtype)
+        v = read_rows(kv_cache[1].view(-1, num_kv_heads, width).index_select(0, plan.slots), head_dim, query.dtype)
         k = k.view(num_seqs, max_key, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, L, D]
         v = v.view(num_seqs, max_key, num_kv_heads, head_dim).transpose(1, 2)
         gqa = query.shape[1] != num_kv_heads
@@ -161,22 +164,31 @@ class TorchSDPABackend:
     def _attend_slices(query, kv_cache, view: AttentionView, plan: _SlicePlan, scale: float) -> torch.Tensor:
         """One query per sequence against its contiguous run of slots. In fp32, two batched matmuls over
         the kv heads: SDPA would copy the strided [L, H, D] -> [H, L, D] views first (4x slower for a
-        1,500-key cross read). Half precision keeps SDPA, which accumulates the softmax in fp32."""
-        _, _, _, num_kv_heads, head_dim = kv_cache.shape
-        keys = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        values = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        1,500-key cross read). Half precision keeps SDPA, which accumulates the softmax in fp32.
+        An int8 cache with one scale per row is read with its scales applied to the scores and
+        probabilities (`attend_int8_rows`); other int8 rows are dequantized one context at a time."""
+        _, _, _, num_kv_heads, width = kv_cache.shape
+        head_dim = query.shape[-1]
+        keys = kv_cache[0].view(-1, num_kv_heads, width)
+        values = kv_cache[1].view(-1, num_kv_heads, width)
         group = query.shape[1] // num_kv_heads  # query heads per kv head
         out = torch.empty_like(query)
+        fold_scales = kv_cache.dtype == torch.int8 and query.dtype == torch.float32 and num_groups(head_dim) == 1
         for i, (start, key_len) in enumerate(zip(plan.starts, view.key_lens_list)):
-            if kv_cache.dtype != torch.float32:
-                k = keys[start : start + key_len].transpose(0, 1)  # [Hkv, L, D]
-                v = values[start : start + key_len].transpose(0, 1)
+            if fold_scales:
+                out[i] = attend_int8_rows(query[i], keys[start : start + key_len], values[start : start + key_len],
+                                          scale)
+                continue
+            k = read_rows(keys[start : start + key_len], head_dim, query.dtype)  # [L, Hkv, D]
+            v = read_rows(values[start : start + key_len], head_dim, query.dtype)
+            if k.dtype != torch.float32:
+                k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
                 q = query[i, :, None, :].to(k.dtype)  # [H, 1, D]
                 o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=group > 1)
                 out[i] = o[:, 0].to(query.dtype)
                 continue
-            k = keys[start : start + key_len].permute(1, 2, 0)  # [Hkv, D, L]
-            v = values[start : start + key_len].transpose(0, 1)  # [Hkv, L, D]
+            k = k.permute(1, 2, 0)  # [Hkv, D, L]
+            v = v.transpose(0, 1)  # [Hkv, L, D]
             q = query[i].view(num_kv_heads, group, head_dim).to(k.dtype) * scale  # [Hkv, G, D]
             probs = torch.softmax(torch.bmm(q, k), dim=-1)  # [Hkv, G, L]
             out[i] = torch.bmm(probs, v).view(-1, head_dim).to(query.dtype)

@@ -29,11 +29,13 @@ import torch
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend, plan_gather
 from encdec_engine.attention.backends.xformers_masks import prefill_attn_bias
+from encdec_engine.attention.kv_quant import as_stored, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
 logger = logging.getLogger(__name__)
 
 _DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DECODE_CACHE_DTYPES = (*_DECODE_DTYPES, torch.int8)  # int8: dequantized inside the kernel
 # The op's import-time check wants xformers' own C++ build; PyTorch's flash kernel does not need it.
 _EXT_BUILD_REASON = "wasn't build with CUDA support"
 
@@ -102,9 +104,11 @@ class XFormersBackend:
             return self._torch.forward(query, key, value, kv_cache, replace(view, plan=None), scale)
         if key is not None and view.slot_mapping is not None and kv_cache is not None:
             self._store_kv(key, value, kv_cache, view.slot_mapping)
+            if not view.reads_cache:  # attend to the K/V as the cache holds them (int8: rounded)
+                key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
         plan = view.plan if isinstance(view.plan, _ViewPlan) else self._plan_view(view)
         if view.reads_cache and view.max_query_len == 1:
-            if query.dtype not in _DECODE_DTYPES or kv_cache.dtype not in _DECODE_DTYPES:
+            if query.dtype not in _DECODE_DTYPES or kv_cache.dtype not in _DECODE_CACHE_DTYPES:
                 return self._fallback(str(kv_cache.dtype), query, None, None, kv_cache, view, scale, plan)
             return self._paged_decode(query, kv_cache, view.block_tables, view.key_lens, scale, self.block_size,
                                       max_key_len=view.max_key_len)
@@ -112,7 +116,7 @@ class XFormersBackend:
         signature = (query.dtype, query.device, tuple(query.shape[1:]), num_kv_heads, type(plan.attn_bias))
         if self._flash_reasons.get(signature):  # a known refusal: skip packing K/V
             return self._fallback(self._flash_reasons[signature], query, key, value, kv_cache, view, scale, plan)
-        k, v = self._packed_kv(key, value, kv_cache, view, plan)
+        k, v = self._packed_kv(key, value, kv_cache, view, plan, query.shape[-1], query.dtype)
         q5, k5, v5 = _to_bmghk(query, k.to(query.dtype), v.to(query.dtype))
         if signature not in self._flash_reasons:
             self._flash_reasons[signature] = self._flash_unsupported(q5, k5, v5, plan.attn_bias)
@@ -120,13 +124,15 @@ class XFormersBackend:
                 return self._fallback(self._flash_reasons[signature], query, key, value, kv_cache, view, scale, plan)
         return self._flash_forward(q5, k5, v5, plan.attn_bias, scale).reshape(query.shape)
 
-    def _packed_kv(self, key, value, kv_cache, view: AttentionView, plan: _ViewPlan):
-        """Each sequence's keys back to back: read from the cache, expanded, or the fresh K/V as they are."""
+    def _packed_kv(self, key, value, kv_cache, view: AttentionView, plan: _ViewPlan, head_dim: int,
+                   dtype: torch.dtype):
+        """Each sequence's keys back to back: read from the cache (dequantized if int8), expanded, or the
+        fresh K/V as they are."""
         if view.reads_cache:
-            num_kv_heads, head_dim = kv_cache.shape[-2:]
-            k = kv_cache[0].view(-1, num_kv_heads, head_dim).index_select(0, plan.cache_slots)
-            v = kv_cache[1].view(-1, num_kv_heads, head_dim).index_select(0, plan.cache_slots)
-            return k, v
+            num_kv_heads, width = kv_cache.shape[-2:]
+            k = kv_cache[0].view(-1, num_kv_heads, width).index_select(0, plan.cache_slots)
+            v = kv_cache[1].view(-1, num_kv_heads, width).index_select(0, plan.cache_slots)
+            return read_rows(k, head_dim, dtype), read_rows(v, head_dim, dtype)
         if plan.key_index is not None:
             return key.index_select(0, plan.key_index), value.index_select(0, plan.key_index)
         total = sum(view.key_lens_list)

@@ -1,7 +1,8 @@
 """Triton paged-attention decode: one query token per sequence over its cached context.
 
     query        [num_seqs, num_heads, head_dim]
-    kv_cache     [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache     [2, num_blocks, block_size, num_kv_heads, row_width]   (row_width = head_dim,
+                                          or an int8 row: values + per-group scales, kv_quant.py)
     block_tables [num_seqs, max_blocks]   key position p of seq s lives in block
                                           block_tables[s, p // block_size], offset p % block_size
     key_lens     [num_seqs]               keys each sequence attends to (no mask needed)
@@ -23,7 +24,9 @@ tables' capacity (batch invariance).
 Accumulation is fp32. fp16/bf16 K/V are upcast and multiplied with TF32 dots:
 q.k is exact (TF32 holds every fp16/bf16 value) and p.v rounds the
 probabilities to TF32, as precise as fp16. fp32 inputs use IEEE dots, so an
-fp32 engine keeps fp32 attention (parity with HF). The grid
+fp32 engine keeps fp32 attention (parity with HF). An int8 cache is dequantized
+as each tile is loaded (value * its group's float32 scale), then treated as the
+query's dtype would be. The grid
 depends only on host-side shapes (no `.item()`), so the call can be captured in
 a CUDA graph when `max_key_len` is the table's capacity.
 """
@@ -35,6 +38,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from encdec_engine.attention.kv_quant import KV_QUANT_GROUP, row_width, scale_offset
+from encdec_engine.attention.ops.kv_store import int8_scale_views
+
 TILE_N = 32  # keys per inner-loop step
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows and a 16-wide reduction dim
 _DEFAULT_PARTITION = 512  # keys per partition when partitioning
@@ -45,9 +51,11 @@ def _paged_decode_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim] (unused when SPLIT)
     part_acc_ptr, part_max_ptr, part_sum_ptr,  # [num_seqs, num_heads, P, head_dim_pad], [num_seqs, num_heads, P] x2
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, key_lens_ptr,
+    k_scale_ptr, v_scale_ptr,  # int8 caches: the same caches seen as float32 (their scales)
     scale,
     stride_qs, stride_qh, stride_qd,
     stride_cb, stride_ct, stride_ch, stride_cd,
+    stride_sb, stride_st, stride_sh,  # float32-view strides (int8 caches)
     stride_bs, stride_bb,
     stride_os, stride_oh, stride_od,
     NUM_GROUP: tl.constexpr,  # query heads per KV head
@@ -57,6 +65,7 @@ def _paged_decode_kernel(
     partition_size, num_partitions,  # keys per partition, partitions per sequence (when SPLIT)
     SPLIT: tl.constexpr,  # write partial results for the merge kernel instead of the output
     DOT_PRECISION: tl.constexpr,
+    INT8: tl.constexpr, GROUP: tl.constexpr, SCALE_OFFSET: tl.constexpr,  # int8 cache layout
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -88,6 +97,11 @@ def _paged_decode_kernel(
         row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + head_off  # [TILE]
         k_t = tl.load(k_cache_ptr + row[None, :] + d[:, None] * stride_cd,
                       mask=valid[None, :] & d_mask[:, None], other=0.0).to(tl.float32)  # [D, TILE]
+        if INT8:
+            scale_row = (block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st
+                         + kv_head * stride_sh + SCALE_OFFSET)  # [TILE]
+            k_t *= tl.load(k_scale_ptr + scale_row[None, :] + d[:, None] // GROUP,
+                           mask=valid[None, :] & d_mask[:, None], other=0.0)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale  # [G, TILE]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -96,6 +110,9 @@ def _paged_decode_kernel(
         row_sum = row_sum * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :] * stride_cd,
                     mask=valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [TILE, D]
+        if INT8:
+            v *= tl.load(v_scale_ptr + scale_row[:, None] + d[None, :] // GROUP,
+                         mask=valid[:, None] & d_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m = m_new
 
@@ -143,7 +160,7 @@ def default_partition_size(max_key_len: int) -> int | None:
 
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, row_width]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32/int64
     key_lens: torch.Tensor,  # [num_seqs] int32/int64
     scale: float,
@@ -152,10 +169,10 @@ def paged_decode_attention(
     partition_size: int | None = -1,  # keys per partition; None: one pass; -1: choose
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], query's dtype
     num_seqs, num_heads, head_dim = query.shape
-    _, _, cache_block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    if cache_block_size != block_size or cache_head_dim != head_dim:
-        raise ValueError(f"cache blocks {cache_block_size} x head_dim {cache_head_dim} do not match "
-                         f"block_size {block_size} x head_dim {head_dim}")
+    _, _, cache_block_size, num_kv_heads, width = kv_cache.shape
+    if cache_block_size != block_size or width != row_width(head_dim, kv_cache.dtype):
+        raise ValueError(f"cache blocks {cache_block_size} x rows of {width} do not match "
+                         f"block_size {block_size} x head_dim {head_dim} in a {kv_cache.dtype} cache")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     out = torch.empty_like(query)
@@ -173,6 +190,8 @@ def paged_decode_attention(
     group_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(group))
     head_dim_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    int8 = kv_cache.dtype == torch.int8
+    k_scale, v_scale, scale_strides = int8_scale_views(kv_cache) if int8 else (k_cache, v_cache, (0, 0, 0))
     if num_partitions > 1:
         stats = torch.empty(2, num_seqs, num_heads, num_partitions, dtype=torch.float32, device=query.device)
         part_max, part_sum = stats[0], stats[1]
@@ -182,13 +201,14 @@ def paged_decode_attention(
         part_max = part_sum = part_acc = out  # unused
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         out, part_acc, part_max, part_sum,
-        query, k_cache, v_cache, block_tables, key_lens,
+        query, k_cache, v_cache, block_tables, key_lens, k_scale, v_scale,
         scale,
-        *query.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
+        *query.stride(), *k_cache.stride(), *scale_strides, *block_tables.stride(), *out.stride(),
         NUM_GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         partition_size=partition_size or 0, num_partitions=num_partitions,
         BLOCK_SIZE=block_size, TILE=TILE_N, SPLIT=num_partitions > 1,
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if (query.dtype if int8 else kv_cache.dtype) == torch.float32 else "tf32",
+        INT8=int8, GROUP=KV_QUANT_GROUP, SCALE_OFFSET=scale_offset(head_dim) // 4,
     )
     if num_partitions > 1:
         _merge_partitions_kernel[(num_seqs, num_heads)](
