@@ -254,7 +254,7 @@ def test_the_repeated_phrase_recording_keeps_every_utterance_streamed_or_not(whi
 
     path = tmp_path / "repeated_phrase.wav"
     soundfile.write(path, build("repeated_phrase"), 16000)
-    client = whisper_server.client()
+    client = whisper_server.client().with_options(timeout=600)  # 6 temperatures x 5 samples on 2 busy cores
     with open(path, "rb") as f:
         text = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="text").strip()
     assert missing_utterances("repeated_phrase", text) == [], text
