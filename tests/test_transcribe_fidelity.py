@@ -105,3 +105,13 @@ def _quality():
     from encdec_engine.speech.fallback import WindowQuality
 
     return WindowQuality(-0.2, 1.0, 0.01)
+
+
+def test_word_times_are_clamped_with_their_segment():
+    from encdec_engine.speech.assembly import clamp_words
+    from encdec_engine.speech.results import Segment, Word
+
+    seg = Segment(0, 2.0, 5.0, " Thank you.", [1], words=[Word(2.0, 2.8, " Thank", 0.9), Word(2.8, 5.0, " you.", 0.9)])
+    clamp_words([seg], 3.0)
+    assert (seg.start, seg.end) == (2.0, 3.0)
+    assert [(w.start, w.end) for w in seg.words] == [(2.0, 2.8), (2.8, 3.0)]
