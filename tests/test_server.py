@@ -115,9 +115,10 @@ def servers_clean():
         server.assert_clean()
 
 
-def pause_after_first_output(server: LiveServer) -> threading.Event:
-    """Hold the engine thread between two steps, from the step after the first one that produces text,
-    until the returned event is set: a request is then certainly still running."""
+def pause_after_first_output(server: LiveServer, finished: bool = False) -> threading.Event:
+    """Hold the engine thread between two steps, from the step after the first one that produces text
+    (with `finished`: the first that finishes a request with text), until the returned event is set:
+    a request is then certainly still running."""
     release = threading.Event()
 
     def install(engine) -> None:  # runs on the engine thread
@@ -128,7 +129,8 @@ def pause_after_first_output(server: LiveServer) -> threading.Event:
                 del engine.step
                 release.wait(30)
             outputs = type(engine).step(engine)
-            produced.extend(o for o in outputs if o.outputs and o.outputs[0].text.strip())
+            produced.extend(o for o in outputs
+                            if o.outputs and o.outputs[0].text.strip() and (o.finished or not finished))
             return outputs
 
         engine.step = step
@@ -549,12 +551,14 @@ def test_client_disconnect_mid_stream_aborts(bart_server, whisper_server, kind):
     server = bart_server if kind == "completion" else whisper_server
     endpoint = "/v1/completions" if kind == "completion" else "/v1/audio/transcriptions"
     before, gone = server.engine.num_aborted, server.state.metrics.requests[(endpoint, 499)]
-    release = pause_after_first_output(server)
+    # A transcription stream sends a window's text once the window is kept: two windows (fox, 30 s of
+    # silence, weather), the engine held once the first is done, while the second runs.
+    release = pause_after_first_output(server, finished=kind == "transcription")
     if kind == "completion":
         request = dict(headers=AUTH, json={"prompt": "A long story.", "max_tokens": 200, "ignore_eos": True,
                                            "stream": True})
     else:
-        request = _multipart(stream="true")
+        request = _multipart(stream="true", file=_two_windows())
     with server.http() as http, http.stream("POST", endpoint, **request) as r:
         assert r.status_code == 200
         assert next(r.iter_lines()).startswith("data: ")
@@ -563,6 +567,21 @@ def test_client_disconnect_mid_stream_aborts(bart_server, whisper_server, kind):
     release.set()
     server.assert_clean()
     assert server.engine.num_aborted == before + 1
+
+
+def _two_windows() -> bytes:
+    import io
+
+    import numpy as np
+    import soundfile
+
+    from encdec_engine.speech.audio import load_audio
+
+    silence = np.zeros(30 * 16000, dtype=np.float32)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.concatenate([load_audio(AUDIO / "fox.wav"), silence, load_audio(AUDIO / "weather.wav")]),
+                    16000, format="WAV")
+    return buffer.getvalue()
 
 
 def test_client_disconnect_before_the_answer_aborts(bart_server):
