@@ -70,7 +70,7 @@ def test_version_and_help_texts_show_every_default(capsys):
 OPENAI_WHISPER_ARGV = [
     "a.wav", "--model", "tiny.en", "--model_dir", "/tmp/models", "--device", "cpu", "--output_dir", "subs",
     "--output_format", "srt", "--verbose", "False", "--task", "transcribe", "--language", "English",
-    "--temperature", "0", "--best_of", "5", "--beam_size", "5", "--patience", "2", "--length_penalty", "0.5",
+    "--temperature", "0", "--best_of", "5", "--beam_size", "5", "--patience", "1", "--length_penalty", "0.5",
     "--suppress_tokens", "-1", "--initial_prompt", "Hello.", "--carry_initial_prompt", "True",
     "--condition_on_previous_text", "False", "--fp16", "False", "--temperature_increment_on_fallback", "0.2",
     "--compression_ratio_threshold", "2.4", "--logprob_threshold", "-1.0", "--no_speech_threshold", "0.6",
@@ -83,13 +83,13 @@ OPENAI_WHISPER_ARGV = [
 def test_openai_whisper_flags_parse_to_ours():
     args = parse("transcribe", *OPENAI_WHISPER_ARGV)
     assert (args.model, args.model_dir, args.output_dir, args.output_format) == ("tiny.en", "/tmp/models", "subs", "srt")
-    assert (args.verbose, args.beam_size, args.best_of, args.patience, args.length_penalty) == (False, 5, 5, 2.0, 0.5)
+    assert (args.verbose, args.beam_size, args.best_of, args.patience, args.length_penalty) == (False, 5, 5, 1.0, 0.5)
     assert (args.carry_initial_prompt, args.condition_on_previous_text, args.fp16) == (True, False, False)
     assert (args.word_timestamps, args.highlight_words, args.max_line_width, args.threads) == (True, True, None, 0)
     assert args.hallucination_silence_threshold is None and args.clip_timestamps == "0"
     options = transcribe_options(args, temperatures(args))
     assert options.language == "en" and options.temperatures == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
-    assert (options.carry_initial_prompt, options.patience, options.suppress_tokens) == (True, 2.0, (-1,))
+    assert (options.carry_initial_prompt, options.patience, options.suppress_tokens) == (True, 1.0, (-1,))
     assert (options.prepend_punctuations, options.append_punctuations) == ("\"'“¿([{-", "\"'.。,，!！?？:：”)]}、")
     assert (options.length_penalty, options.beam_size, options.condition_on_previous_text) == (0.5, 5, False)
     # Dashed spellings, bare booleans, short forms and openai-whisper's "None" give the same namespace.

@@ -301,3 +301,36 @@ def test_write_with_options(worded, tmp_path):
 def test_subtitle_options_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SubtitleOptions(**kwargs)
+
+
+HOSTILE = [" tab\there", " line one\nline two", " blank\n\n\nline --> arrow\r\nend", " naïve café 東京 🎉", "\n\t-->\n"]
+
+
+@pytest.mark.parametrize("fmt", ["srt", "vtt", "tsv", "json", "txt"])
+def test_hostile_text_keeps_every_format_well_formed(fmt):
+    """Tabs, line breaks (blank lines too), '-->' and non-ASCII in segment text: one TSV row per
+    segment, one SRT/VTT cue per segment with its number and timing line intact, JSON unchanged."""
+    segments = [Segment(i, float(i), i + 0.5, text, tokens=[1]) for i, text in enumerate(HOSTILE)]
+    t = Transcription("".join(HOSTILE), "en", segments, duration=5.0)
+    out = render(t, fmt)
+    if fmt == "tsv":
+        rows = out.splitlines()
+        assert len(rows) == 1 + len(segments) and all(len(row.split("\t")) == 3 for row in rows)
+        assert rows[4].split("\t")[2] == "naïve café 東京 🎉"
+        assert rows[2].split("\t")[2] == "line one line two"
+    elif fmt in ("srt", "vtt"):
+        body = out.removeprefix("WEBVTT\n\n") if fmt == "vtt" else out
+        cues = body.rstrip("\n").split("\n\n")
+        assert len(cues) == len(segments)
+        sep = "," if fmt == "srt" else "."
+        for i, cue in enumerate(cues):
+            lines = cue.split("\n")
+            if fmt == "srt":
+                assert lines.pop(0) == str(i + 1)
+            assert re.fullmatch(rf"[\d:]+{re.escape(sep)}\d{{3}} --> [\d:]+{re.escape(sep)}\d{{3}}", lines[0])
+            assert lines[1:] and all(line.strip() and "-->" not in line for line in lines[1:])
+        assert "naïve café 東京 🎉" in out
+    elif fmt == "json":
+        assert [s["text"] for s in json.loads(out)["segments"]] == HOSTILE
+    else:
+        assert "naïve café 東京 🎉" in out

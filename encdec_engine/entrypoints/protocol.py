@@ -302,6 +302,22 @@ class TranslationRequest(BaseModel):
     prompt: str | None = Field(None, max_length=MAX_AUDIO_PROMPT_CHARS)  # text that conditions the first window
     response_format: AudioResponseFormat = "json"
     temperature: float = Field(0.0, ge=0.0, le=1.0)  # 0: greedy with temperature fallback
+    # vLLM's transcription fields: tokens per window, the penalty, and beam search at temperature 0
+    # (beam_size alone, or use_beam_search with openai-whisper's CLI default of 5 beams).
+    max_completion_tokens: int | None = Field(None, ge=1)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    use_beam_search: bool = False
+    beam_size: int | None = Field(None, ge=1, le=16)
+    length_penalty: float | None = Field(None, ge=0.0, le=1.0)  # ranking of beams and samples (openai-whisper)
+
+    def decoding_options(self) -> dict[str, Any]:
+        """The TranscribeOptions these fields set."""
+        beams = self.beam_size or (5 if self.use_beam_search else 1)
+        options: dict[str, Any] = {"beam_size": beams, "length_penalty": self.length_penalty,
+                                   "max_new_tokens": self.max_completion_tokens}
+        if self.repetition_penalty is not None:
+            options["repetition_penalty"] = self.repetition_penalty
+        return options
 
 
 class TranscriptionRequest(TranslationRequest):

@@ -62,16 +62,16 @@ async def _audio_request(request: Request, task: str) -> Response:
             raise APIError(400, *P.describe_validation_errors(e.errors())) from None
         st.check_model(req.model)
         stream = getattr(req, "stream", False)
-        temperatures = (req.temperature,) if stream else _fallback_temperatures(req.temperature)
-        # A stream sends tokens as they are decoded, so nothing it sent may be retried or skipped after.
+        # A stream decodes exactly as the non-streamed answer does (timestamps, fallback, silence skipping)
+        # and sends each window's text once the window is final: nothing sent is ever taken back.
         try:  # an unknown language is refused by TranscribeOptions, one this checkpoint lacks by the Transcriber
             options = TranscribeOptions(language=getattr(req, "language", None), task=task,
-                                        initial_prompt=req.prompt, timestamps=not stream, temperatures=temperatures,
+                                        initial_prompt=req.prompt, temperatures=_fallback_temperatures(req.temperature),
                                         word_timestamps=getattr(req, "words", False),
                                         chunked=getattr(req, "chunking_strategy", None) == "auto",
-                                        no_speech_threshold=None if stream else TranscribeOptions.no_speech_threshold)
+                                        **req.decoding_options())
         except ValueError as e:
-            raise APIError(400, str(e), "language") from None
+            raise APIError(400, str(e), "language" if "language" in str(e) else None) from None
         # Tokenizing the prompt (up to the field's cap) is CPU work: off the event loop.
         transcriber = await asyncio.to_thread(_transcriber, st.engine.engine, options, task)
         data = await upload.read()
@@ -162,18 +162,19 @@ def _fallback_temperatures(start: float) -> tuple[float, ...]:
 
 async def _transcript_events(st: ServerState, transcriber: Transcriber, job, request_id: str,
                              ticket: Ticket) -> AsyncIterator[str]:
-    """`transcript.text.delta` events as tokens are decoded, then `transcript.text.done`.
+    """`transcript.text.delta` events, one per window once it is final, then `transcript.text.done`.
 
-    Streaming decodes without timestamps, temperature fallback or silence skipping, so every
-    token decoded is final and can be sent at once (windows of long audio follow each other)."""
+    Each window is decoded as in the non-streamed answer, temperature fallback and silence skipping
+    included; its text is sent when the window is committed (a retried window sends nothing until
+    its last decode), so the streamed text equals the non-streamed one."""
     sent, prompt_tokens, output_tokens, windows = "", 0, 0, 0
     try:
         async for out in transcribe_async(st.engine, transcriber, job, request_id, ticket):
-            committed = "".join(s.text for s in job.segments)
-            text = (committed + transcriber.assembler.text(out.outputs[0].token_ids)).lstrip().rstrip("\ufffd")
-            if len(text) > len(sent) and text.startswith(sent):
-                yield sse(P.TranscriptDelta(delta=text[len(sent):]))
-                sent = text
+            # The windows committed so far (a request's last output comes before its job takes it).
+            committed = "".join(s.text for s in job.segments).strip()
+            if len(committed) > len(sent) and committed.startswith(sent):
+                yield sse(P.TranscriptDelta(delta=committed[len(sent):]))
+                sent = committed
             if out.finished:
                 windows += 1
                 prompt_tokens += len(out.prompt_token_ids)

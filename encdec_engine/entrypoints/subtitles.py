@@ -178,5 +178,6 @@ def _ms(seconds: float) -> int:
 
 
 def _defuse(text: str) -> str:
-    # "-->" inside cue text would read as a timing line to SRT/VTT parsers.
-    return text.replace("-->", "->")
+    # "-->" inside cue text would read as a timing line to SRT/VTT parsers, and a blank line ends a cue.
+    lines = (line.strip() for line in text.replace("-->", "->").splitlines())
+    return "\n".join(line for line in lines if line)

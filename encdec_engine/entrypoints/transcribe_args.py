@@ -50,13 +50,26 @@ def add_transcribe_args(tr: argparse.ArgumentParser) -> None:
     dec.add_argument("--beam-size", type=optional_int, default=1,
                      help="beams per window at temperature 0; 1 or none: greedy (openai-whisper's CLI uses 5)")
     dec.add_argument("--patience", type=float, default=None,
-                     help="beam search patience (arXiv:2204.05424) (default: none, plain beam search; needs "
-                          "--beam-size 2 or more)")
+                     help="beam search patience (arXiv:2204.05424); only 1.0 runs, as the engine's beam search "
+                          "is HF's (default: none, plain beam search; needs --beam-size 2 or more)")
     dec.add_argument("--length-penalty", type=float, default=None,
                      help="alpha in [0, 1]: rank candidates by log-probability / ((5 + length) / 6) ** alpha "
                           "(default: none, divide by the length)")
     dec.add_argument("--suppress-tokens", default="-1",
                      help="comma-separated token ids never decoded; -1: the checkpoint's list (non-speech symbols)")
+    dec.add_argument("--prefix", default=None,
+                     help="text the first window's transcript starts with (faster-whisper; default: none)")
+    dec.add_argument("--hotwords", default=None,
+                     help="hint phrases put before the previous text in every window's prompt (faster-whisper; "
+                          "not with --prefix)")
+    dec.add_argument("--prompt-reset-on-temperature", type=float, default=0.5,
+                     help="a window kept above this temperature conditions no later window")
+    dec.add_argument("--max-new-tokens", type=int, default=None,
+                     help="tokens generated per window (default: the checkpoint's max_length)")
+    dec.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="above 1: tokens already in the window's text are less likely")
+    dec.add_argument("--no-repeat-ngram-size", type=int, default=0,
+                     help="no n-gram of this size repeats within a window (0: off)")
     dec.add_argument("--initial-prompt", default=None,
                      help="text that conditions the first window (default: none)")
     dec.add_argument("--carry-initial-prompt", action="store_true",
@@ -127,7 +140,10 @@ def transcribe_options(args: argparse.Namespace, temps: tuple[float, ...]) -> Tr
         patience=args.patience, length_penalty=args.length_penalty, suppress_tokens=args.suppress_tokens,
         word_timestamps=args.word_timestamps, prepend_punctuations=args.prepend_punctuations,
         append_punctuations=args.append_punctuations, clip_timestamps=args.clip_timestamps,
-        hallucination_silence_threshold=args.hallucination_silence_threshold, chunked=args.chunked)
+        hallucination_silence_threshold=args.hallucination_silence_threshold, chunked=args.chunked,
+        prefix=args.prefix, hotwords=args.hotwords, prompt_reset_on_temperature=args.prompt_reset_on_temperature,
+        max_new_tokens=args.max_new_tokens, repetition_penalty=args.repetition_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size)
 
 
 def _or_one(value: int | None) -> int:

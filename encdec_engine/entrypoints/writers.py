@@ -71,12 +71,12 @@ def _srt_time(seconds: float) -> str:
 def _render_tsv(t: Transcription, options: SubtitleOptions) -> str:
     """``start<TAB>end<TAB>text`` with integer milliseconds.
 
-    Integer milliseconds keep a locale's decimal comma out of the numbers; tabs in the
-    text become spaces so each row keeps exactly three columns.
+    Integer milliseconds keep a locale's decimal comma out of the numbers; tabs and line
+    breaks in the text become spaces so each segment stays one row of exactly three columns.
     """
     rows = ["start\tend\ttext\n"]
     for s in t.segments:
-        text = s.text.strip().replace("\t", " ")
+        text = " ".join(s.text.strip().replace("\t", " ").splitlines())
         rows.append(f"{round(1000 * s.start)}\t{round(1000 * s.end)}\t{text}\n")
     return "".join(rows)
 

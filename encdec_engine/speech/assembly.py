@@ -13,6 +13,7 @@ from encdec_engine.speech.fallback import WindowQuality, compression_ratio
 from encdec_engine.speech.hallucinations import cut_hallucinations
 from encdec_engine.speech.job import DecodedWindow, TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.ranking import Candidate
 from encdec_engine.speech.results import Segment, Transcription
 from encdec_engine.speech.word_timestamps import add_word_timestamps, find_alignment, last_word_end, speech_end
 
@@ -29,18 +30,18 @@ class ResultAssembler:
         """The text of tokens, timestamps and special tokens left out."""
         return self.tokenizer.decode([t for t in token_ids if t < self.tokens.eot])
 
-    def quality(self, out: RequestOutput) -> WindowQuality:
-        """What the fallback rules judge a decode request's window by."""
-        completion = out.outputs[0]
-        avg_logprob = (completion.cumulative_logprob or 0.0) / max(1, len(completion.token_ids))
-        text = self.text([t for t in completion.token_ids if t != self.tokens.eot])
-        return WindowQuality(avg_logprob, compression_ratio(text), out.no_speech_prob)  # every decode asks for it
+    def quality(self, chosen: Candidate, forced: list[int], no_speech_prob: float) -> WindowQuality:
+        """What the fallback rules judge a window by: the chosen candidate's mean log-probability,
+        and the compression ratio of its stripped text, a forced start included (faster-whisper)."""
+        return WindowQuality(chosen.avg_logprob, compression_ratio(self.text(forced + chosen.tokens).strip()),
+                             no_speech_prob)
 
-    def decoded_window(self, job: TranscriptionJob, out: RequestOutput, window_frames: int, temperature: float,
+    def decoded_window(self, job: TranscriptionJob, tokens: list[int], window_frames: int, temperature: float,
                        quality: WindowQuality) -> DecodedWindow:
-        """Cut the window's tokens into segments at consecutive timestamp tokens (openai-whisper).
-        window_frames: mel frames of audio in the window."""
-        tokens = [t for t in out.outputs[0].token_ids if t != self.tokens.eot]
+        """Cut the window's tokens (a forced start, then the generated ones before <|endoftext|>) into
+        segments at consecutive timestamp tokens (openai-whisper). window_frames: mel frames of audio
+        in the window. Times past the end of the audio (or of the clip) are clamped to it; `seek`
+        follows the tokens, as openai-whisper's."""
         begin = self.tokens.timestamp_begin
         offset = job.seek / FRAMES_PER_SECOND
         is_ts = [t >= begin for t in tokens]
@@ -65,10 +66,18 @@ class ResultAssembler:
             if stamps and stamps[-1] != begin:
                 duration = (stamps[-1] - begin) * TIME_PRECISION
             pieces.append((tokens, offset, offset + duration))
-        segments = [Segment(0, round(start, 3), round(end, 3), self.text(piece), piece, temperature,
-                            quality.avg_logprob, quality.compression_ratio, quality.no_speech_prob)
+        limit = self.end_of_audio(job)
+        segments = [Segment(0, round(min(start, limit), 3), round(min(end, limit), 3), self.text(piece), piece,
+                            temperature, quality.avg_logprob, quality.compression_ratio, quality.no_speech_prob)
                     for piece, start, end in pieces]
         return DecodedWindow(segments, seek, offset, window_frames, single_ending, temperature)
+
+    @staticmethod
+    def end_of_audio(job: TranscriptionJob) -> float:
+        """Seconds no time may pass: the end of the audio, or of the current clip."""
+        if job.long_form and job.clip_index < len(job.clips):
+            return job.clips[job.clip_index][1] / FRAMES_PER_SECOND
+        return job.num_frames / FRAMES_PER_SECOND
 
     def align(self, job: TranscriptionJob, window: DecodedWindow, out: RequestOutput,
               prefix_len: int) -> DecodedWindow | None:
@@ -81,6 +90,7 @@ class ResultAssembler:
                                    self.tokenizer, self.tokens.eot, job.language)
         add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset, job.last_speech,
                             self.options.prepend_punctuations, self.options.append_punctuations)
+        clamp_words(window.segments, self.end_of_audio(job))
         end = last_word_end(window.segments)
         if job.long_form and not window.single_ending and end is not None and end > window.offset:
             window.seek = round(end * FRAMES_PER_SECOND)  # openai-whisper: seek to the last word's end
@@ -106,8 +116,6 @@ class ResultAssembler:
                 job.segments.append(seg)
                 job.tokens.extend(seg.tokens)
         job.seek = window.seek
-        if window.temperature > 0.5:
-            job.prompt_reset = len(job.tokens)
         if self.options.word_timestamps and window.segments:  # the last speech: its last word, or segment
             job.last_speech = speech_end(window.segments)
 
@@ -122,3 +130,11 @@ class ResultAssembler:
         text = "".join(s.text for s in job.segments)
         return Transcription(text, job.language or "en", job.segments, round(job.duration, 3), job.source,
                              index=job.index)
+
+
+def clamp_words(segments: list[Segment], limit: float) -> None:
+    """Word times, and the segment times moved to them, end at `limit` (the end of the audio or clip)."""
+    for seg in segments:
+        seg.start, seg.end = min(seg.start, limit), min(seg.end, limit)
+        for word in seg.words or ():
+            word.start, word.end = min(word.start, limit), min(word.end, limit)

@@ -43,7 +43,8 @@ class TranscriptionJob:
     temperature_index: int = 0  # into TranscribeOptions.temperatures: the current window's attempt
     window: int = 0  # windows taken so far
     tokens: list[int] = field(default_factory=list)  # all text + timestamp tokens so far (for conditioning)
-    prompt_reset: int = 0  # tokens before this index do not condition later windows
+    # None: the initial prompt and all tokens so far condition the next window; else only tokens[prompt_reset:]
+    prompt_reset: int | None = None
     segments: list[Segment] = field(default_factory=list)
     pending: DecodedWindow | None = None  # a decoded window waiting for its word alignment
     last_speech: float = 0.0  # seconds: end of the last word so far (word timestamps)

@@ -43,14 +43,21 @@ class TranscribeOptions:
     append_punctuations: str = APPEND_PUNCTUATIONS  # word timestamps: marks merged into the previous word
     # Token ids never decoded (openai-whisper's and faster-whisper's suppress_tokens): -1 stands for the
     # checkpoint's list (generation_config.suppress_tokens: openai-whisper's non-speech symbols), () for
-    # none. "-1,220" strings are parsed. The decoding that applies it is issue 15's.
+    # none. "-1,220" strings are parsed. Whisper's task and start tokens and <|nospeech|> are always added,
+    # as openai-whisper does.
     suppress_tokens: tuple[int, ...] | str = (-1,)
-    # Beam search (beam_size > 1): openai-whisper's patience (arXiv:2204.05424), a search that goes on until
-    # round(beam_size * patience) finished candidates; None: conventional beam search (1.0). Issue 15 decodes it.
+    # Beam search (beam_size > 1): openai-whisper's patience (arXiv:2204.05424). The engine's beam search
+    # is HF's, which keeps beam_size finished candidates: only the conventional search (None or 1.0) runs.
     patience: float | None = None
-    # openai-whisper's ranking of candidates: None divides the summed log-probability by the length;
-    # alpha in [0, 1] by ((5 + length) / 6) ** alpha (Google NMT). Issue 15 decodes it.
+    # Ranking of best_of samples and beams (openai-whisper's MaximumLikelihoodRanker): None divides the
+    # summed log-probability by the length; alpha in [0, 1] by ((5 + length) / 6) ** alpha (Google NMT).
     length_penalty: float | None = None
+    prefix: str | None = None  # text the first window's transcript is forced to start with (faster-whisper)
+    hotwords: str | None = None  # text put before the previous text in every prompt (faster-whisper; not with prefix)
+    prompt_reset_on_temperature: float = 0.5  # a window kept above this temperature conditions no later window
+    max_new_tokens: int | None = None  # tokens generated per window (None: up to the checkpoint's max_length)
+    repetition_penalty: float = 1.0  # HF's: logits of tokens already in the decoder sequence shrink
+    no_repeat_ngram_size: int = 0  # HF's: no n-gram of this size occurs twice in a window's decoder sequence
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "best_of"):
@@ -86,9 +93,31 @@ class TranscribeOptions:
                 raise ValueError(f"patience must be a positive number, got {self.patience!r}")
             if self.beam_size < 2:
                 raise ValueError("patience needs beam_size of at least 2 (it widens beam search; 1 is greedy)")
+            if self.patience != 1.0:
+                # openai-whisper collects round(beam_size * patience) finished beams; HF's search keeps beam_size.
+                raise ValueError(f"patience {self.patience} is not supported: the engine's beam search (Hugging "
+                                 f"Face's) keeps beam_size finished beams, which is patience 1.0")
         if self.length_penalty is not None and not (_is_number(self.length_penalty) and 0 <= self.length_penalty <= 1):
             raise ValueError(f"length_penalty (alpha) must be between 0 and 1 as in openai-whisper, "
                              f"got {self.length_penalty!r}")
+        self._check_decoding()
+
+    def _check_decoding(self) -> None:
+        """faster-whisper's and HF's decoding options' ranges."""
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be a positive number, got {self.repetition_penalty!r}")
+        if not _is_number(self.prompt_reset_on_temperature) or not math.isfinite(self.prompt_reset_on_temperature):
+            raise ValueError(f"prompt_reset_on_temperature must be a number, got {self.prompt_reset_on_temperature!r}")
+        for name, low in (("max_new_tokens", 1), ("no_repeat_ngram_size", 0)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
+        if self.no_repeat_ngram_size is None:
+            raise ValueError("no_repeat_ngram_size must be an integer of at least 0, got None")
+        for name in ("prefix", "hotwords"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be text, got {type(value).__name__}")
 
     @property
     def openai_windows(self) -> bool:

@@ -5,7 +5,8 @@ A window's request is one of three:
 
     detection   <|startoftranscript|>                       -> 1 token among the language tokens
     decode      [<|startofprev|> previous...] <|startoftranscript|> [<|lang|> <|task|>] [<|notimestamps|>]
-                                                            -> the window's text and timestamps
+                [prefix]  (prompts.py)                      -> every candidate (best_of samples, beams),
+                                                               ranked in ranking.py
     alignment   <|startoftranscript|> ... <|notimestamps|> text <|endoftext|>   (teacher-forced)
                                                             -> cross-attention of the alignment heads
 
@@ -21,7 +22,8 @@ from encdec_engine.speech.audio import INPUT_STRIDE
 from encdec_engine.speech.fallback import Verdict, WindowQuality, judge
 from encdec_engine.speech.job import DecodedWindow, TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
-from encdec_engine.speech.timestamp_rules import timestamp_rules_from_generation_config
+from encdec_engine.speech.prompts import WindowPrompts
+from encdec_engine.speech.timestamp_rules import TimestampRules, timestamp_rules_from_generation_config
 from encdec_engine.speech.word_timestamps import alignment_heads
 
 
@@ -33,12 +35,12 @@ class WindowRequests:
         self.options = options
         self.tokens = tokens
         gc = engine.generation_config
-        self.suppress = list(getattr(gc, "suppress_tokens", None) or [])
+        self.suppress = suppressed_tokens(options.suppress_tokens, getattr(gc, "suppress_tokens", None), tokens)
         self.begin_suppress = list(getattr(gc, "begin_suppress_tokens", None) or [])
         self.timestamp_rules = timestamp_rules_from_generation_config(gc)
         self.max_decoder_len = engine.max_decoder_len  # decoder positions
         self.max_length = getattr(gc, "max_length", None) or self.max_decoder_len
-        self.prompt_tokens = self._initial_prompt_tokens(engine.tokenizer)
+        self.prompts = WindowPrompts(options, tokens, engine.tokenizer, self.max_decoder_len)
         spec = engine.model.kv_cache_spec
         self.alignment_heads = alignment_heads(gc, spec.num_layers, spec.num_kv_heads)
         max_seqs = engine.scheduler.config.max_num_seqs
@@ -47,16 +49,6 @@ class WindowRequests:
                 raise ValueError(f"{name} {getattr(options, name)} is more than the engine's max_num_seqs {max_seqs}")
         if options.language is not None:
             tokens.decoder_prompt(options.language, options.task)  # validates language and task
-
-    def _initial_prompt_tokens(self, tokenizer) -> list[int]:
-        if not self.options.initial_prompt:
-            return []
-        ids = tokenizer(" " + self.options.initial_prompt.strip(), add_special_tokens=False)["input_ids"]
-        special = [t for t in ids if t >= self.tokens.eot]  # as HF's get_prompt_ids refuses
-        if special:
-            raise ValueError(f"initial_prompt contains special-token text "
-                             f"{tokenizer.convert_ids_to_tokens(special)}; write it without <|...|> tokens")
-        return ids
 
     def build(self, job: TranscriptionJob, features) -> tuple[dict, SamplingParams]:
         """The engine request (prompt, params) for the job's current window; features: its log-mel
@@ -73,9 +65,8 @@ class WindowRequests:
                                     allowed_token_ids=list(self.tokens.lang_to_id.values()))
             decoder = [self.tokens.sot]
         else:
-            decoder = self.tokens.decoder_prompt(job.language, self.options.task, self.options.timestamps,
-                                                 self._previous(job))
-            params = self._decode_params(job, len(decoder))
+            decoder = self.prompts.decoder_prompt(job)
+            params = self._decode_params(job, len(decoder), self.prompts.forced(job))
         return {"encoder_prompt": encoder, "decoder_prompt": {"prompt_token_ids": decoder}}, params
 
     def alignment_prefix(self, job: TranscriptionJob) -> list[int]:
@@ -100,34 +91,56 @@ class WindowRequests:
             job.window += 1
         return verdict
 
-    def _previous(self, job: TranscriptionJob) -> list[int]:
-        previous = list(self.prompt_tokens)
-        # openai-whisper keeps at most half the decoder context for the prompt.
-        limit = self.max_decoder_len // 2 - 1
-        if self.options.condition_on_previous_text:
-            text = job.tokens[job.prompt_reset :]
-            if self.options.carry_initial_prompt:  # the carried prompt first: the text gets the room it leaves
-                room = limit - len(previous)
-                text = text[-room:] if room > 0 else []
-            previous += text
-        return previous[-limit:] if previous else []
-
-    def _decode_params(self, job: TranscriptionJob, prompt_len: int) -> SamplingParams:
+    def _decode_params(self, job: TranscriptionJob, prompt_len: int, forced: list[int]) -> SamplingParams:
+        """Every candidate comes back (n = best_of samples, or every beam) with its summed
+        log-probability, for ranking.py to choose as openai-whisper does."""
         options = self.options
         temperature = options.temperatures[job.temperature_index]
         sampled = temperature > 0
         beams = 1 if sampled else options.beam_size  # openai-whisper: beams at 0, best_of samples above
+        fanout = options.best_of if sampled else beams
+        rules = None
+        if options.timestamps:  # a forced start counts as generated, as in CTranslate2's prefix
+            rules = [self.timestamp_rules if not forced else _AfterForced(self.timestamp_rules, tuple(forced))]
         return SamplingParams(
-            temperature=temperature, n=1, best_of=options.best_of if sampled else 1, num_beams=beams,
+            temperature=temperature, n=fanout, best_of=fanout, num_beams=beams,
             seed=options.seed + 1000 * job.index + job.window + 1_000_000 * job.part if sampled else None,
             max_tokens=self._max_tokens(prompt_len), logprobs=0 if beams == 1 else None, skip_special_tokens=True,
             no_speech_token_id=self.tokens.no_speech,
             suppress_tokens=self.suppress, begin_suppress_tokens=self.begin_suppress,
-            logits_processors=[self.timestamp_rules] if options.timestamps else None,
+            repetition_penalty=options.repetition_penalty, no_repeat_ngram_size=options.no_repeat_ngram_size,
+            logits_processors=rules,
         )
 
     def _max_tokens(self, prompt_len: int) -> int:
-        """HF's rule: the checkpoint's max_length counts new tokens plus (up to half the context
-        of) the prompt, capped by the decoder's positions."""
+        """max_new_tokens, or HF's rule: the checkpoint's max_length counts new tokens plus (up to half
+        the context of) the prompt; either way within the decoder's positions."""
         limit = self.max_decoder_len
+        if self.options.max_new_tokens is not None:
+            return max(1, min(self.options.max_new_tokens, limit - prompt_len))
         return max(1, min(self.max_length + min(limit // 2 - 1, prompt_len), limit) - prompt_len)
+
+
+def suppressed_tokens(requested: tuple[int, ...], checkpoint: list[int] | None, tokens: WhisperTokens) -> list[int]:
+    """openai-whisper's `_get_suppress_tokens`: -1 expands to the checkpoint's list (its non-speech
+    symbols), and the task tokens, <|startoftranscript|>, <|startofprev|>, <|startoflm|> and
+    <|nospeech|> are always suppressed. Their ids follow openai-whisper's layout, which puts them
+    right before <|notimestamps|>."""
+    ids = {t for t in requested if t >= 0}
+    if -1 in requested:
+        ids.update(checkpoint or [])
+    nt = tokens.no_timestamps  # translate, transcribe, startoflm, startofprev, nospeech, notimestamps
+    ids.update([tokens.sot, *range(nt - 5, nt)])
+    ids.update(tokens.task_to_id.values())
+    return sorted(ids)
+
+
+class _AfterForced:
+    """Timestamp rules for a window whose decoder prompt ends with forced tokens (a prefix): they
+    judge the generated tokens as if the forced ones had been generated first."""
+
+    def __init__(self, rules: TimestampRules, forced: tuple[int, ...]) -> None:
+        self.rules, self.forced = rules, list(forced)
+
+    def __call__(self, output_token_ids: list[int], logits) -> None:
+        self.rules(self.forced + list(output_token_ids), logits)

@@ -28,8 +28,9 @@ from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.speech.assembly import ResultAssembler
 from encdec_engine.speech.fallback import Verdict
-from encdec_engine.speech.job import TranscriptionJob
+from encdec_engine.speech.job import DecodedWindow, TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.ranking import best_candidate
 from encdec_engine.speech.requests import WindowRequests
 from encdec_engine.speech.results import Transcription
 from encdec_engine.speech.windows import WindowPlanner
@@ -90,21 +91,28 @@ class Transcriber:
             window = self.assembler.align(job, window, out, len(self.requests.alignment_prefix(job)))
             if window is None:  # dropped as a hallucination; `seek` is past it
                 return self.planner.advance(job)
-            self.assembler.commit(job, window)
+            self._commit(job, window)
             return self.planner.next_window(job)
         temperature = self.options.temperatures[job.temperature_index]
-        quality = self.assembler.quality(out)
+        forced = self.requests.prompts.forced(job)
+        chosen = best_candidate(out, self.tokens.eot, self.options.length_penalty)
+        quality = self.assembler.quality(chosen, forced, out.no_speech_prob)  # every decode asks for it
         verdict = self.requests.fallback(job, quality)
         if verdict is Verdict.RETRY:
             return True
         if verdict is Verdict.SKIP:  # no segment, nothing conditions the next window
             return self.planner.skip_window(job)
-        window = self.assembler.decoded_window(job, out, self.planner.window_frames(job), temperature, quality)
+        window = self.assembler.decoded_window(job, forced + chosen.tokens, self.planner.window_frames(job),
+                                               temperature, quality)
         if self.options.word_timestamps:
             if self.requests.can_align(job, window):
                 job.pending = window  # the next request aligns its words
                 return True
             for seg in window.segments:
                 seg.words = []
-        self.assembler.commit(job, window)
+        self._commit(job, window)
         return self.planner.next_window(job)
+
+    def _commit(self, job: TranscriptionJob, window: DecodedWindow) -> None:
+        self.assembler.commit(job, window)
+        self.requests.prompts.after_window(job, window.temperature)
