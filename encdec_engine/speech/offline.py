@@ -25,7 +25,7 @@ def transcribe_offline(engine: LLMEngine, options: TranscribeOptions, audio, use
     transcriber = Transcriber(engine, options)
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f"max_in_flight must be at least 1 (or None: every input at once), got {max_in_flight}")
-    jobs = [transcriber.load(i, x) for i, x in enumerate(audio_inputs(audio))]
+    jobs = transcriber.load_many(audio_inputs(audio))
     queue = [ready for job in jobs for ready in transcriber.start(job)]
     running = Counter(job.index for job in queue)  # jobs of each input that are not done
     in_flight: dict[str, TranscriptionJob] = {}

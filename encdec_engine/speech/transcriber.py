@@ -56,6 +56,10 @@ class Transcriber:
         """Read one input (path, bytes, array, or (samples, rate)); a bad one gets `error` set."""
         return self.planner.load(index, item, self.language)
 
+    def load_many(self, items: list) -> list[TranscriptionJob]:
+        """Read inputs (numbered in order) at once: the VAD, when asked for, runs on all of them together."""
+        return self.planner.load_many(list(enumerate(items)), self.language)
+
     def start(self, job: TranscriptionJob) -> list[TranscriptionJob]:
         """The jobs of a loaded input that need a request first (none for a bad input, or one whose
         clips hold no audio)."""
