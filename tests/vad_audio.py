@@ -79,6 +79,7 @@ class Recording:
     samples: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     speech: list[tuple[float, float]] = field(default_factory=list)  # seconds of each clip's speech
     offsets: list[float] = field(default_factory=list)  # seconds where each clip starts
+    clips: list[str] = field(default_factory=list)  # the clips' names, in order
     text: str = ""  # what is said
 
     def add(self, part: str | np.ndarray) -> Recording:
@@ -89,6 +90,7 @@ class Recording:
             a, b = speech_extent(samples)
             self.speech.append((start + a, start + b))
             self.offsets.append(start)
+            self.clips.append(part)
             self.text = f"{self.text} {TRANSCRIPTS[part]}".strip()
         else:
             samples = part
