@@ -49,7 +49,8 @@ def cmd_transcribe(args) -> int:
     options = {"timestamps": not args.without_timestamps, "initial_prompt": args.initial_prompt,
                "no_speech_threshold": args.no_speech_threshold, "beam_size": args.beam_size, "best_of": args.best_of,
                "word_timestamps": args.word_timestamps, "clip_timestamps": args.clip_timestamps,
-               "hallucination_silence_threshold": args.hallucination_silence_threshold, "chunked": args.chunked}
+               "hallucination_silence_threshold": args.hallucination_silence_threshold, "chunked": args.chunked,
+               **_vad_options(args)}
     if args.temperature is not None:
         options["temperatures"] = (args.temperature,)
     TranscribeOptions(**options)  # bad values fail before the model loads
@@ -88,6 +89,22 @@ def cmd_transcribe(args) -> int:
             header = f"== {path}\n" if len(args.audio) > 1 else ""
             print(header + (render(result, "txt") if not args.verbose else render(result, "vtt")), end="")
     return 1 if failed else 0
+
+
+# --vad-* flag -> faster-whisper's vad_parameters name (speech/vad.py VadOptions)
+VAD_FLAGS = {"vad_threshold": "threshold", "vad_neg_threshold": "neg_threshold",
+             "vad_min_speech_duration_ms": "min_speech_duration_ms", "vad_max_speech_duration_s": "max_speech_duration_s",
+             "vad_min_silence_duration_ms": "min_silence_duration_ms", "vad_speech_pad_ms": "speech_pad_ms"}
+
+
+def _vad_options(args) -> dict:
+    """--vad-filter and the --vad-* flags given as vad_filter and vad_parameters (flags left out keep
+    faster-whisper's defaults); a --vad-* flag without --vad-filter would change nothing, so it is refused."""
+    given = {name: getattr(args, flag) for flag, name in VAD_FLAGS.items() if getattr(args, flag) is not None}
+    if given and not args.vad_filter:
+        flags = ", ".join("--" + flag.replace("_", "-") for flag, name in VAD_FLAGS.items() if name in given)
+        raise ValueError(f"{flags} {'needs' if len(given) == 1 else 'need'} --vad-filter")
+    return {"vad_filter": args.vad_filter, "vad_parameters": given or None} if args.vad_filter else {}
 
 
 def _subtitle_options(args, writes: bool) -> SubtitleOptions:
@@ -233,6 +250,22 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--chunked", action="store_true",
                     help="cut audio over 30 s at quiet points and decode the windows at once (faster; no window "
                          "sees an earlier one's text)")
+    tr.add_argument("--vad-filter", action="store_true",
+                    help="Silero VAD first: decode only the speech (with --chunked: chunks of at most 30 s of "
+                         "speech, at once); times stay on the audio's timeline")
+    tr.add_argument("--vad-threshold", type=float, default=None,
+                    help="speech probability at or above which a 32 ms frame is speech (default 0.5)")
+    tr.add_argument("--vad-neg-threshold", type=float, default=None,
+                    help="probability below which speech ends (default: threshold - 0.15)")
+    tr.add_argument("--vad-min-speech-duration-ms", type=int, default=None,
+                    help="drop speech shorter than this (default 0)")
+    tr.add_argument("--vad-max-speech-duration-s", type=float, default=None,
+                    help="split longer speech at its longest pause (default: no limit; with --chunked 30)")
+    tr.add_argument("--vad-min-silence-duration-ms", type=int, default=None,
+                    help="silence shorter than this does not end speech (default 2000; with --chunked and no "
+                         "--vad-* flag 160)")
+    tr.add_argument("--vad-speech-pad-ms", type=int, default=None,
+                    help="audio kept on each side of the speech (default 400)")
     tr.add_argument("--without-timestamps", action="store_true", help="decode with <|notimestamps|>")
     tr.add_argument("--initial-prompt", default=None, help="text that conditions the first window")
     tr.add_argument("--no-speech-threshold", type=_optional_float, default=0.6,
