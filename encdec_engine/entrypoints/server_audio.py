@@ -58,11 +58,13 @@ async def _audio_request(request: Request, task: str) -> Response:
         raise APIError(413, f"upload is larger than this server's limit of {st.limits.max_upload_mb:g} MB", "file")
     stream = getattr(req, "stream", False)
     temperatures = (req.temperature,) if stream else _fallback_temperatures(req.temperature)
+    chunking = getattr(req, "chunking_strategy", None)
+    vad = chunking if isinstance(chunking, P.ServerVadChunking) else None
     # A stream sends tokens as they are decoded, so nothing it sent may be retried or skipped after.
     options = TranscribeOptions(language=getattr(req, "language", None), task=task, initial_prompt=req.prompt,
                                 timestamps=not stream, temperatures=temperatures,
-                                word_timestamps=getattr(req, "words", False),
-                                chunked=getattr(req, "chunking_strategy", None) == "auto",
+                                word_timestamps=getattr(req, "words", False), chunked=chunking is not None,
+                                vad_filter=vad is not None, vad_parameters=vad and vad.vad_parameters,
                                 no_speech_threshold=None if stream else TranscribeOptions.no_speech_threshold)
     try:
         transcriber = Transcriber(st.engine.engine, options)
@@ -110,6 +112,11 @@ async def _read_form(request: Request) -> tuple[UploadFile, dict[str, Any]]:
             raise APIError(400, f"field {name!r} must be text, got a file (the audio goes in the 'file' field)", name)
         elif name == "timestamp_granularities":
             fields.setdefault(name, []).append(value)
+        elif name.startswith("chunking_strategy[") and name.endswith("]"):  # OpenAI's client: one part a field
+            inner = fields.setdefault("chunking_strategy", {})
+            if not isinstance(inner, dict) or name[18:-1] in inner:
+                raise APIError(400, f"field {name!r} is given more than once", "chunking_strategy")
+            inner[name[18:-1]] = value
         elif name in fields:
             raise APIError(400, f"field {name!r} is given more than once", name)
         elif value != "":
