@@ -41,7 +41,10 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order.
 
         All prompts are validated before any runs: a bad one raises ValueError
-        naming its index, and the engine stays ready for the next call.
+        naming its index, and the engine stays ready for the next call. A request
+        that fails while it runs (its logits processor raised, the step running it
+        failed) comes back with finish_reason "error" and `error` set; the others
+        still finish.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -111,6 +114,9 @@ class LLM:
             if not t.strip():
                 raise ValueError(f"text {i} is empty")
         outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        failed = [f"text {i}: {o.error}" for i, o in enumerate(outs) if o.error is not None]
+        if failed:
+            raise RuntimeError(f"summarizing failed for {'; '.join(failed)}")
         return [o.outputs[0].text.strip() for o in outs]
 
 

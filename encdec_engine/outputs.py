@@ -15,8 +15,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None  # per token: {token_id: logprob}
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+    error: str | None = None  # finish_reason "error": what failed (the other requests went on)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -39,3 +40,7 @@ class RequestOutput:
     # {token_id: logprob} with the prompt token and the top-k
     prompt_logprobs: list[dict[int, float] | None] | None = None
     cross_attentions: Any = None  # torch.Tensor [pairs, prompt tokens, encoder positions] (cross_attention_heads)
+    # Set when the request failed (its outputs end with finish_reason "error"): processing its result
+    # raised, or the step that ran it failed. Only this request (or that step's batch) is affected.
+    error: str | None = None
+

@@ -8,6 +8,23 @@ import numbers
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_FLOAT32_MAX = 3.4e38
+
+# Caps on list and string fields, far above real use and low enough that one request can neither stall
+# the engine's steps (stop strings are scanned on every token, bad words checked on every step) nor
+# hold much memory. Over a cap, the field is a ValueError naming it (a 400 from the server).
+MAX_STOP_STRINGS = 32  # OpenAI allows 4 stop sequences; vLLM has no cap
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_CHARS = 128
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
+MAX_TOKEN_ID_LIST = 1 << 18  # suppress_tokens, begin_suppress_tokens, allowed_token_ids: above any vocabulary
+MAX_LOGPROBS = 20  # logprobs and prompt_logprobs top-k (vLLM's default max_logprobs)
+MAX_LOGITS_PROCESSORS = 64
+MAX_CROSS_ATTENTION_HEADS = 4096  # (layer, head) pairs; the model's own layers x heads bound them further
+MAX_SEED = 2**64 - 1  # a generator's seed is an unsigned 64-bit integer
+MAX_LENGTH_PENALTY = 10.0  # beam search divides by length ** length_penalty (HF's usual values: 0.6 to 2)
 _INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "no_repeat_ngram_size", "logprobs",
                "prompt_logprobs",
                "truncate_prompt_tokens", "num_beams", "forced_bos_token_id", "forced_eos_token_id",
@@ -15,12 +32,20 @@ _INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "no_
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                  "length_penalty")
 _TOKEN_LIST_FIELDS = ("stop_token_ids", "suppress_tokens", "begin_suppress_tokens", "allowed_token_ids")
+_REQUIRED_INT_FIELDS = ("n", "top_k", "min_tokens", "no_repeat_ngram_size", "num_beams")  # never None
+_LIST_FIELDS = {"stop": "non-empty strings", "bad_words": "non-blank strings", "logits_processors": "callables",
+                "cross_attention_heads": "(layer, head) pairs", **dict.fromkeys(_TOKEN_LIST_FIELDS, "token ids")}
 
 
 def _non_negative_ints(values) -> bool:
     if isinstance(values, range):  # checked at its ends, not element by element
         return not values or min(values[0], values[-1]) >= 0
     return all(isinstance(t, numbers.Integral) and t >= 0 for t in values)
+
+
+def _is_sequence(value) -> bool:
+    """A list-like field value: list, tuple or range (not a string, dict, set or scalar)."""
+    return isinstance(value, (list, tuple, range))
 
 
 @dataclass
@@ -88,21 +113,27 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name, of in _LIST_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and not _is_sequence(value):
+                raise ValueError(f"SamplingParams.{name} must be a list of {of}, got {type(value).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.best_of is None:
             self.best_of = self.n
-        if self.top_k == 0:
+        if isinstance(self.top_k, numbers.Integral) and self.top_k == 0:
             self.top_k = -1
         self._validate()
 
     def _validate(self) -> None:
         def fail(name: str, why: str) -> None:
-            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+            shown = repr(getattr(self, name))
+            raise ValueError(f"SamplingParams.{name} {why}, got {shown if len(shown) <= 200 else shown[:200] + '...'}")
 
+        self._check_caps(fail)
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            if value is not None and not isinstance(value, numbers.Integral):
+            if (value is not None or name in _REQUIRED_INT_FIELDS) and not isinstance(value, numbers.Integral):
                 fail(name, "must be an integer")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
@@ -144,11 +175,11 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                     isinstance(t, numbers.Integral) and t >= 0 and isinstance(b, numbers.Real) and math.isfinite(b)
-                    for t, b in self.logit_bias.items()):
+                    and abs(b) <= _FLOAT32_MAX for t, b in self.logit_bias.items()):
                 fail("logit_bias", "must map non-negative token ids to finite numbers")
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         if self.bad_words is not None:
-            if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            if not _is_sequence(self.bad_words) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 fail("bad_words", "must be a list of non-blank strings")
             self.bad_words = list(self.bad_words)
         if self.no_repeat_ngram_size < 0:
@@ -167,6 +198,9 @@ class SamplingParams:
             fail("truncate_prompt_tokens", "must be at least 1")
         if self.num_beams < 1:
             fail("num_beams", "must be at least 1")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            fail("length_penalty", f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] (length ** penalty "
+                                   "overflows beyond)")
         if self.num_beams > 1:
             if self.n > self.num_beams:
                 fail("n", f"must be <= num_beams ({self.num_beams}) in beam search")
@@ -174,12 +208,34 @@ class SamplingParams:
                 fail("num_beams", "supports deterministic beam search only (no temperature/top-k/top-p)")
         if self.early_stopping not in (True, False, "never"):
             fail("early_stopping", 'must be True, False or "never"')
-        if self.seed is not None and self.seed < 0:
-            fail("seed", "must be non-negative")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            fail("seed", "must be in [0, 2**64 - 1] (an unsigned 64-bit integer)")
         if self.no_speech_token_id is not None and self.no_speech_token_id < 0:
             fail("no_speech_token_id", "must be a non-negative token id")
         if self.num_beams > 1 and (self.stop or self.logprobs is not None):
             fail("num_beams", "cannot be combined with stop strings or logprobs (beam search scores whole beams)")
+
+    def _check_caps(self, fail) -> None:
+        """Every list and string field within its cap (see MAX_* above)."""
+        caps = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS, "bad_words": MAX_BAD_WORDS,
+                "logit_bias": MAX_LOGIT_BIAS, "logits_processors": MAX_LOGITS_PROCESSORS,
+                "cross_attention_heads": MAX_CROSS_ATTENTION_HEADS,
+                **dict.fromkeys(("suppress_tokens", "begin_suppress_tokens", "allowed_token_ids"), MAX_TOKEN_ID_LIST)}
+        for name, cap in caps.items():
+            value = getattr(self, name)
+            if value is not None and hasattr(value, "__len__") and len(value) > cap:
+                raise ValueError(f"SamplingParams.{name} has {len(value)} entries, more than the limit of {cap}")
+        for name, cap in (("stop", MAX_STOP_STRING_CHARS), ("bad_words", MAX_BAD_WORD_CHARS)):
+            for text in getattr(self, name) or ():
+                if isinstance(text, str) and len(text) > cap:
+                    raise ValueError(f"SamplingParams.{name} has a string of {len(text)} characters, more than "
+                                     f"the limit of {cap}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and value > MAX_LOGPROBS:
+                fail(name, f"must be at most {MAX_LOGPROBS}")
+        if self.logits_processors is not None and not all(callable(p) for p in self.logits_processors):
+            fail("logits_processors", "must be callables (output_token_ids, logits) -> None")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError for a token id or logprobs count the model's vocabulary cannot serve."""

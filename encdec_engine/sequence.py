@@ -9,6 +9,7 @@ needs (its tokens for BART, frames after the conv stride for Whisper).
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # applying its result raised, or its step failed: this request alone ends
 
     @property
     def is_finished(self) -> bool:
@@ -33,6 +35,7 @@ class SequenceStatus(enum.Enum):
             SequenceStatus.FINISHED_STOPPED: "stop",
             SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
             SequenceStatus.FINISHED_ABORTED: "abort",
+            SequenceStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 
@@ -120,6 +123,11 @@ class Sequence:
         return self.status.is_finished
 
 
+# Group keys are unique for the life of the process, unlike request ids (which callers choose and may
+# reuse once a request is gone): the block manager keys a group's cross table by it.
+_group_keys = itertools.count()
+
+
 class SequenceGroup:
     """All sequences of one request, sharing its encoder sequence and sampling params."""
 
@@ -132,23 +140,27 @@ class SequenceGroup:
         encoder_seq: EncoderSequence | None = None,
     ) -> None:
         self.request_id = request_id
+        self.key = next(_group_keys)
         self.seqs = seqs
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.encoder_seq = encoder_seq
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
-        self.generator: Any = None  # torch.Generator of a seeded request, made by the runner
+        # Per-request sampler state (layers.sampling_state.RequestSampling: the seeded generator, index
+        # tensors of the processors), built and validated when the request is added.
+        self.sampling: Any = None
+        self.error: str | None = None  # why the request failed (finish_reason "error")
         self.beam: Any = None  # BeamState of a beam-search request
         self.encoder_cached = False  # its cross KV is already in the pool: skip the encoder
         self.max_len: int | None = None  # decoder length limit (prompt + max_tokens, at most the model's)
         # Prompt position whose next-token distribution gives no_speech_prob (SamplingParams.no_speech_token_id).
         self.no_speech_position: int | None = None
-        self.no_speech_prob: float | None = None  # set by the runner at prefill
+        self.no_speech_prob: float | None = None  # from the prefill's result
         # The prefill computes the prompt from this position on, never from a cached prefix (a no-speech
         # probe, prompt logprobs and cross-attention capture need their positions computed).
         self.prefill_from: int | None = None
-        self.prompt_logprobs: list | None = None  # set by the runner at the first prefill, when asked for
+        self.prompt_logprobs: list | None = None  # from the first prefill's result, when asked for
         self.cross_attentions = None  # [pairs, prompt tokens, encoder positions], likewise
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
@@ -172,7 +184,8 @@ class SequenceGroup:
 
 @dataclass
 class SequenceGroupMetadata:
-    """What the model runner needs of one scheduled group for one step."""
+    """What the model runner needs of one scheduled group for one step. The runner reads it and
+    returns results per row; it never writes into the request (the engine applies the results)."""
 
     request_id: str
     is_prompt: bool  # prefill step (encoder + decoder prompt) or decode step
@@ -182,4 +195,9 @@ class SequenceGroupMetadata:
     encoder_seq_data: EncoderSequence | None = None
     cross_block_table: list[int] | None = None  # the group's cross-attention blocks
     encoder_cached: bool = False  # cross KV already cached: no encoder run for this group
-    group: SequenceGroup | None = None  # for sampler state (generator, processors)
+    sampling: Any = None  # the group's RequestSampling (generator, processor tensors)
+    max_len: int | None = None  # decoder length limit (forced EOS fills its last slot)
+    fanout: int = 1  # samples drawn for the row: best_of at the first token of a request that forks
+    no_speech_position: int | None = None  # prompt position probed for no_speech_prob
+    want_prompt_logprobs: bool = False  # report prompt logprobs in this prefill
+    want_cross_attentions: bool = False  # capture the cross-attention heads in this prefill

@@ -67,8 +67,9 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 180.0
     raise SystemExit(f"server {url} not healthy after {timeout:.0f} s")
 
 
-def read_metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+def read_metrics(url: str, api_key: str) -> dict[str, float]:
+    """The server's metrics (with an API key set, /metrics needs it too)."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10).text
     values = {}
     for line in text.splitlines():
         m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
@@ -77,11 +78,11 @@ def read_metrics(url: str) -> dict[str, float]:
     return values
 
 
-def check_idle(url: str, timeout: float = 10.0) -> str | None:
+def check_idle(url: str, api_key: str, timeout: float = 10.0) -> str | None:
     """None when the server has nothing queued and every KV block free; else what is left."""
     deadline = time.monotonic() + timeout
     while True:
-        m = read_metrics(url)
+        m = read_metrics(url, api_key)
         busy = {k: m[k] for k in ("encdec_requests_waiting", "encdec_requests_running", "encdec_requests_swapped",
                                   "encdec_server_queue_size") if m.get(k)}
         used = m['encdec_kv_blocks_used{kind="self"}'] + m['encdec_kv_blocks_used{kind="cross"}']
@@ -212,17 +213,22 @@ def main() -> int:
             wait_healthy(url, procs.get(url))
         client = Client(whisper_url, bart_url, args.api_key)
         audio_seconds = sum(_duration(CLIPS[(i // 2) % len(CLIPS)]) for i in range(0, args.requests, 2))
-        before = sum(read_metrics(u).get("encdec_generated_tokens_total", 0) for u in (whisper_url, bart_url))
+        def generated() -> float:
+            return sum(read_metrics(u, args.api_key).get("encdec_generated_tokens_total", 0)
+                       for u in (whisper_url, bart_url))
+
+        before = generated()
         start = time.monotonic()
         results = asyncio.run(run_load(client, args.requests, args.concurrency, args.timeout))
         wall = time.monotonic() - start
-        tokens = sum(read_metrics(u).get("encdec_generated_tokens_total", 0) for u in (whisper_url, bart_url)) - before
+        tokens = generated() - before
         errors = report(results, wall, tokens, audio_seconds)
         for url in (whisper_url, bart_url):
-            cache = {k: v for k, v in read_metrics(url).items() if k.startswith("encdec_prefix_cache_total")}
+            cache = {k: v for k, v in read_metrics(url, args.api_key).items()
+                     if k.startswith("encdec_prefix_cache_total")}
             if cache:
                 print(f"prefix cache {url}: " + ", ".join(f"{k.split('=')[1][1:-2]}={v:g}" for k, v in cache.items()))
-        leaks = [msg for msg in (check_idle(whisper_url), check_idle(bart_url)) if msg]
+        leaks = [msg for msg in (check_idle(u, args.api_key) for u in (whisper_url, bart_url)) if msg]
         for msg in leaks:
             print(f"not idle after the load: {msg}")
         if not leaks:

@@ -198,15 +198,31 @@ def norm(text: str) -> str:
     return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
 
 
-def record_requests(engine, monkeypatch) -> list[tuple[str, dict, object]]:
-    """Every (request_id, prompt, params) added to `engine` from now until monkeypatch.undo()."""
+def record_requests(engine, monkeypatch) -> list[tuple[None, dict, object]]:
+    """Every (None, prompt, params) prepared by `engine` from now until monkeypatch.undo(): the offline
+    `add_request` and the async engine's `process_request` both go through `process_request`."""
     added = []
-    add = engine.add_request
+    process = engine.process_request
 
-    def recording_add(request_id, prompt, params=None, *args):
-        added.append((request_id, prompt, params))
-        return add(request_id, prompt, params, *args)
+    def recording_process(prompt, params=None):
+        added.append((None, prompt, params))
+        return process(prompt, params)
 
-    monkeypatch.setattr(engine, "add_request", recording_add)
+    monkeypatch.setattr(engine, "process_request", recording_process)
     return added
 
+
+class BrokenOnOneToken:
+    """A tokenizer that raises (TypeError) converting one token id; everything else is the wrapped tokenizer's.
+    It stands for any fault in one request's output processing."""
+
+    def __init__(self, tokenizer, token_id: int) -> None:
+        self.tokenizer, self.token_id = tokenizer, token_id
+
+    def convert_ids_to_tokens(self, ids):
+        if self.token_id in ids:
+            raise TypeError(f"injected: no token for id {self.token_id}")
+        return self.tokenizer.convert_ids_to_tokens(ids)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)

@@ -4,6 +4,9 @@ import pytest
 
 from encdec_engine import SamplingParams
 from encdec_engine.inputs.preprocess import InputProcessor
+from encdec_engine.sampling_params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED,
+                                           MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                           MAX_TOKEN_ID_LIST)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
@@ -47,12 +50,56 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
         (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
         (dict(min_tokens=9, max_tokens=3), "min_tokens"), (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(logprobs=-1), "logprobs"), (dict(n=3, best_of=2), "best_of"), (dict(seed=-3), "seed"),
-        (dict(early_stopping="sometimes"), "early_stopping"),
+        (dict(early_stopping="sometimes"), "early_stopping"), (dict(length_penalty=400.0), "length_penalty"),
     ],
 )
 def test_invalid_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**kwargs)
+
+
+CAPS = [("stop", ["s"] * MAX_STOP_STRINGS, str(MAX_STOP_STRINGS)),
+        ("stop", ["x" * MAX_STOP_STRING_CHARS], str(MAX_STOP_STRING_CHARS)),
+        ("stop_token_ids", [5] * MAX_STOP_TOKEN_IDS, str(MAX_STOP_TOKEN_IDS)),
+        ("bad_words", ["w"] * MAX_BAD_WORDS, str(MAX_BAD_WORDS)),
+        ("bad_words", ["w" * MAX_BAD_WORD_CHARS], str(MAX_BAD_WORD_CHARS)),
+        ("logit_bias", dict.fromkeys(range(MAX_LOGIT_BIAS), 1.0), str(MAX_LOGIT_BIAS)),
+        ("suppress_tokens", [1] * MAX_TOKEN_ID_LIST, str(MAX_TOKEN_ID_LIST)),
+        ("allowed_token_ids", [1] * MAX_TOKEN_ID_LIST, str(MAX_TOKEN_ID_LIST)),
+        ("logprobs", MAX_LOGPROBS, str(MAX_LOGPROBS)), ("prompt_logprobs", MAX_LOGPROBS, str(MAX_LOGPROBS)),
+        ("seed", MAX_SEED, "2\\*\\*64 - 1")]
+
+
+@pytest.mark.parametrize("field,at_cap,cap", CAPS)
+def test_list_and_string_fields_are_capped(field, at_cap, cap):
+    """At its cap a field is accepted; one more entry, character or unit is a ValueError naming field and cap."""
+    SamplingParams(**{field: at_cap})
+    if isinstance(at_cap, dict):
+        over = {**at_cap, len(at_cap): 1.0}
+    elif isinstance(at_cap, int):
+        over = at_cap + 1
+    elif len(at_cap) == 1 and isinstance(at_cap[0], str):
+        over = [at_cap[0] + "x"]
+    else:
+        over = at_cap + at_cap[:1]
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} .*{cap}"):
+        SamplingParams(**{field: over})
+
+
+def test_a_seed_torch_cannot_take_fails_its_request_alone(llm):
+    """A seed of 2**64 passed validation and raised inside the step, failing every request in flight."""
+    with pytest.raises(ValueError, match="SamplingParams.seed"):
+        SamplingParams(seed=2**64)
+    engine = llm.engine
+    engine.add_request("fine", "The rain in spain", GREEDY)
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    params.seed = 2**64  # past validation (a caller mutating its params): the engine still refuses it at add time
+    with pytest.raises(ValueError, match="SamplingParams.seed"):
+        engine.add_request("bad-seed", "The rain in spain", params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert outs["fine"].outputs[0].finish_reason == "length" and "bad-seed" not in outs
 
 
 def test_bad_prompt_in_a_batch_names_its_index_and_runs_nothing(llm):

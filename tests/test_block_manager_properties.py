@@ -29,17 +29,17 @@ def check_invariants(bm: BlockManager, s: Scheduler) -> None:
     device, swap = Counter(), Counter()
     for seq_id, table in bm.block_tables.items():
         (swap if seq_id in bm._swapped_seqs else device).update(table)
-    for rid, table in bm.cross_block_tables.items():
-        (swap if rid in bm._swapped_cross else device).update(table)
+    for key, table in bm.cross_block_tables.items():
+        (swap if key in bm._swapped_cross else device).update(table)
     for pool, counts in ((bm.device, device), (bm.swap, swap)):
         for block, n in counts.items():
             assert pool.ref_count(block) == n
         assert pool.num_free + len(counts) == pool.num_blocks
     assert 0 not in device  # the padding block is never handed out
-    live = {g.request_id for q in (s.waiting, s.running, s.swapped) for g in q}
+    live = {g.key for q in (s.waiting, s.running, s.swapped) for g in q}
     assert set(bm.cross_block_tables) <= live
     for g in s.waiting:
-        assert g.request_id not in bm.cross_block_tables
+        assert g.key not in bm.cross_block_tables
         assert all(seq.seq_id not in bm.block_tables for seq in g.seqs)
 
 

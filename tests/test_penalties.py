@@ -4,10 +4,12 @@
 import pytest
 import torch
 from helpers import hf_greedy, mixed_prompts
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from encdec_engine import SamplingParams
-from encdec_engine.layers.logits_processors import banned_bad_word_tokens
+from encdec_engine.layers.sampling_state import BadWords
 
 
 class VllmPenalties(LogitsProcessor):
@@ -74,11 +76,20 @@ def test_bad_words_match_hf_bad_words_ids(bart_llm, hf_bart):
 
 
 def test_banned_bad_word_tokens():
-    words = [[7], [1, 2, 3], [4, 5]]
-    assert banned_bad_word_tokens([], words) == [7]
-    assert banned_bad_word_tokens([9, 1, 2], words) == [7, 3]
-    assert banned_bad_word_tokens([4], words) == [7, 5]
-    assert banned_bad_word_tokens([2], words) == [7]
+    words = BadWords.build([[7], [1, 2, 3], [4, 5]])
+    assert words.banned([]) == [7]
+    assert words.banned([9, 1, 2]) == [7, 3]
+    assert words.banned([4]) == [7, 5]
+    assert words.banned([2]) == [7]
+
+
+@settings(max_examples=300, deadline=None)
+@given(words=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), max_size=8),
+       tokens=st.lists(st.integers(0, 5), max_size=10))
+def test_indexed_bad_words_equal_hf_rule(words, tokens):
+    """The index (checked per step) bans exactly what HF's NoBadWordsLogitsProcessor rule bans."""
+    hf = [w[-1] for w in words if len(w) == 1 or (len(w) - 1 <= len(tokens) and tokens[len(tokens) - len(w) + 1 :] == w[:-1])]
+    assert sorted(BadWords.build(words).banned(tokens)) == sorted(hf)
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -93,3 +93,21 @@ def test_skip_tokenizer_init_works_on_token_ids_alone(bart_path, make_llm):
     assert out.token_ids == ref.token_ids and out.text == ""
     with pytest.raises(ValueError, match="need a tokenizer"):
         llm.generate(["text needs a tokenizer"], use_tqdm=False)
+
+
+def test_cli_generate_reports_failed_requests_and_exits_1(bart_path, make_llm, monkeypatch, capsys):
+    from encdec_engine.entrypoints import cli
+
+    llm = make_llm(bart_path, num_kv_blocks=64)
+
+    def failing_forward(inp):
+        raise RuntimeError("injected kernel failure")
+
+    monkeypatch.setattr(cli, "_llm", lambda args: llm)
+    monkeypatch.setattr(llm.engine.runner, "_forward", failing_forward)
+    prompts = Path(__file__).resolve().parent.parent / "prompts" / "explicit_prompts.jsonl"
+    rc = cli.main(["generate", str(prompts), "--model", str(bart_path), "--max-tokens", "3", "--quiet"])
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
+    assert rc == 1 and records and all(r["finish_reason"] == "error" and "injected" in r["error"] for r in records)
+    assert err.count("failed: the model step running this request failed") == len(records)

@@ -164,7 +164,7 @@ def test_beam_search_refuses_stop_strings_and_logprobs():
             SamplingParams(num_beams=2, temperature=0.0, **bad)
 
 
-@pytest.mark.parametrize("bad", [dict(logprobs=10_000), dict(allowed_token_ids=[1, 10_000]),
+@pytest.mark.parametrize("bad", [dict(allowed_token_ids=[1, 10_000]),
                                  dict(suppress_tokens=[10_000]), dict(begin_suppress_tokens=[10_000]),
                                  dict(forced_bos_token_id=10_000), dict(forced_eos_token_id=10_000)])
 def test_token_ids_outside_the_vocabulary_are_refused_at_add_time(llm, bad):

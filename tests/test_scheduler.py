@@ -85,7 +85,7 @@ def test_preemption_by_recompute_frees_self_and_cross():
     meta, out = s.schedule()
     assert out.num_preempted == 1 and [m.request_id for m in meta] == ["a"]
     assert s.waiting[0] is b and b.seqs[0].status == SequenceStatus.WAITING
-    assert b.seqs[0].data.num_computed_tokens == 0 and b.request_id not in bm.cross_block_tables
+    assert b.seqs[0].data.num_computed_tokens == 0 and b.key not in bm.cross_block_tables
     fake_step(s, meta)
     finish(a)
     s.free_finished()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from helpers import BrokenOnOneToken
 
 from encdec_engine import SamplingParams
 from encdec_engine.config import EngineConfig
@@ -152,9 +154,9 @@ def reference_transcript(server: LiveServer, name: str, **options):
 def test_models_health_and_metrics(bart_server, whisper_server):
     assert [m.id for m in bart_server.client().models.list()] == ["bart"]
     assert [m.id for m in whisper_server.client().models.list()] == ["whisper-tiny.en"]
-    for server in (bart_server, whisper_server):
-        assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-        text = httpx.get(f"{server.url}/metrics").text  # no key needed for health and metrics
+    for server, headers in ((bart_server, AUTH), (whisper_server, {})):
+        assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}  # never needs the key
+        text = httpx.get(f"{server.url}/metrics", headers=headers).text  # with a key set, metrics need it
         for name in ("encdec_requests_waiting", "encdec_requests_running", "encdec_requests_swapped",
                      'encdec_kv_blocks_used{kind="self"}', 'encdec_kv_blocks_used{kind="cross"}',
                      "encdec_generated_tokens_total", "encdec_generation_tokens_per_second",
@@ -333,12 +335,15 @@ BAD_AUDIO = [
     (_multipart(file=_float_wav([0.1, float("nan")] * 8000)), 400, "8000 NaN or infinite samples"),
     (_multipart(file=b"\0" * (3 << 20)), 413, "limit of 2 MB"),
     (_multipart(file=(AUDIO / "long_meeting.flac").read_bytes()), 413, "at most 60 s"),
+    (_multipart(prompt="p" * 8193), 400, "prompt: String should have at most 8192 characters"),
+    (_multipart(language="x" * 33), 400, "language: String should have at most 32 characters"),
 ]
 
 BAD_COMPLETIONS = [
     ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "not valid JSON"),
     ({"json": {"model": "bart"}}, 400, "prompt: Field required"),
     ({"json": {"prompt": "x", "max_tokens": "ten"}}, 400, "max_tokens"),
+    ({"json": {"prompt": "x", "truncate_prompt_tokens": "8"}}, 400, "truncate_prompt_tokens: Input should be a valid integer"),
     ({"json": {"prompt": "x", "temperature": -1}}, 400, "temperature"),
     ({"json": {"prompt": "x", "n": 0}}, 400, "n:"),
     ({"json": {"prompt": "x", "echo": True}}, 400, "echo"),
@@ -351,14 +356,27 @@ BAD_COMPLETIONS = [
     ({"json": {"prompt": "word " * 400}}, 400, "limit"),
     ({"json": {"prompt": "x", "model": "gpt-4o"}}, 404, "not served here"),
     ({"json": {"prompt": "x", "max_tokens": 100_000}}, 400, "ask for at most"),
-    ({"json": {"prompt": "x", "stop": ["y", ""]}}, 400, "stop must be non-empty"),
+    ({"json": {"prompt": "x", "stop": ["y", ""]}}, 400, "stop.1: String should have at least 1 character"),
     ({"json": {"prompt": ["a", "b", "c"]}}, 400, "exceed this server's queue"),
-    ({"json": {"prompt": "x", "logit_bias": {"rain": 1}}}, 400, "logit_bias: keys must be token ids"),
-    ({"json": {"prompt": "x", "logit_bias": {"\u00b2": 1}}}, 400, "logit_bias: keys must be token ids"),
-    ({"json": {"prompt": "x", "logit_bias": {"5": 101}}}, 400, "biases must be in [-100, 100]"),
+    ({"json": {"prompt": "x", "logit_bias": {"rain": 1}}}, 400, "logit_bias.rain.[key]: String should match"),
+    ({"json": {"prompt": "x", "logit_bias": {"\u00b2": 1}}}, 400, "String should match pattern '^[0-9]+$'"),
+    ({"json": {"prompt": "x", "logit_bias": {"5": 101}}}, 400, "logit_bias.5: Input should be less than or equal to 100"),
     ({"json": {"prompt": "x", "logit_bias": {"99999": 1}}}, 400, "logit_bias [99999] is outside the vocabulary"),
     ({"json": {"prompt": "x", "presence_penalty": 2.5}}, 400, "presence_penalty"),
-    ({"json": {"prompt": "x", "bad_words": [""]}}, 400, "bad_words must be a list of non-blank strings"),
+    ({"json": {"prompt": "x", "bad_words": [""]}}, 400, "bad_words.0: String should have at least 1 character"),
+    ({"json": {"prompt": "x", "bad_words": [" "]}}, 400, "bad_words must be a list of non-blank strings"),
+    # Every list and string field has a cap (a 400 naming the field and the cap).
+    ({"json": {"prompt": "x", "stop": ["s"] * 33}}, 400, "stop: List should have at most 32 items"),
+    ({"json": {"prompt": "x", "stop": "s" * 257}}, 400, "stop: String should have at most 256 characters"),
+    ({"json": {"prompt": "x", "stop_token_ids": [5] * 1025}}, 400, "stop_token_ids: List should have at most 1024"),
+    ({"json": {"prompt": "x", "bad_words": ["w"] * 257}}, 400, "bad_words: List should have at most 256 items"),
+    ({"json": {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}}, 400,
+     "logit_bias: Dictionary should have at most 1024 items"),
+    ({"json": {"prompt": "x", "seed": 2**64}}, 400, "seed: Input should be less than 18446744073709551616"),
+    ({"json": {"prompt": ["x"] * 257}}, 400, "at most 256 prompts per request"),
+    ({"json": {"prompt": "x" * 1_000_001}}, 400, "more than the limit of 1000000"),
+    ({"json": {"prompt": [5] * 262_145, "truncate_prompt_tokens": 8}}, 400, "more than the limit of 262144"),
+    ({"json": {"prompt": "x", "user": "u" * 257}}, 400, "user: String should have at most 256 characters"),
 ]
 
 
@@ -432,6 +450,59 @@ def test_api_key(bart_server):
     assert "missing API key" in missing.json()["error"]["message"]
     with pytest.raises(openai.AuthenticationError):
         bart_server.client(api_key="nope").completions.create(model="bart", prompt="x")
+
+
+INFO = ["/metrics", "/docs", "/redoc", "/openapi.json"]
+
+
+def test_info_endpoints_need_the_key_when_one_is_set(bart_server, whisper_server):
+    """With --api-key, /metrics, /docs, /redoc and /openapi.json are guarded too; /health is not."""
+    with bart_server.http() as http:
+        assert [http.get(p).status_code for p in INFO] == [401] * 4
+        assert [http.get(p, headers=AUTH).status_code for p in INFO] == [200] * 4
+        assert http.get("/health").status_code == 200
+    with whisper_server.http() as http:  # no key: public unless --protect-info
+        assert [http.get(p).status_code for p in INFO] == [200] * 4
+
+
+def test_protect_info_without_a_key_stops_serving_them(bart_path):
+    app = build_app(str(bart_path), limits=ServerLimits(protect_info=True), num_kv_blocks=32)
+    server = LiveServer(app)
+    try:
+        with server.http() as http:
+            assert [http.get(p).status_code for p in INFO] == [404] * 4
+            assert "--protect-info" in http.get("/metrics").json()["error"]["message"]
+            assert http.get("/health").status_code == 200
+    finally:
+        server.stop()
+    assert build_parser().parse_args(["serve", "--no-protect-info"]).protect_info is False
+
+
+def test_a_failing_request_gets_a_500_with_a_request_id_and_the_others_go_on(bart_server, bart_path, make_llm,
+                                                                              caplog):
+    """One request whose output processing raises (a token its tokenizer cannot convert) ends alone;
+    its 500 names a request id, never the exception, and the log has the traceback under that id."""
+    prompts = ["The first document is about rain.", "A second one, about the plain."]
+    body = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ref = make_llm(bart_path).generate(prompts, SamplingParams(**body), use_tqdm=False)
+    bad_id = next(t for t in ref[0].outputs[0].token_ids if t not in ref[1].outputs[0].token_ids)
+    tokenizer = bart_server.engine.engine.tokenizer
+
+    detok = bart_server.on_engine(lambda e: e.output_processor.detokenizer)
+    bart_server.on_engine(lambda e: setattr(detok, "tokenizer", BrokenOnOneToken(tokenizer, bad_id)))
+    try:
+        with ThreadPoolExecutor(2) as pool, caplog.at_level("ERROR"):
+            answers = list(pool.map(lambda p: httpx.post(f"{bart_server.url}/v1/completions", headers=AUTH,
+                                                         json={"prompt": p, **body}, timeout=60), prompts))
+    finally:
+        bart_server.on_engine(lambda e: setattr(detok, "tokenizer", tokenizer))
+    assert answers[0].status_code == 500 and answers[1].status_code == 200
+    assert answers[1].json()["choices"][0]["text"] == ref[1].outputs[0].text
+    message = answers[0].json()["error"]["message"]
+    request_id = re.search(r"request id (cmpl-[0-9a-f]+)", message).group(1)
+    assert "TypeError" not in message and "NoneType" not in message
+    logged = [r.exc_info for r in caplog.records if request_id in r.getMessage() and r.exc_info]
+    assert any(info[0] is TypeError for info in logged)  # the engine's traceback, under the request's id
 
 
 # -- load and lifecycle -----------------------------------------------------------
@@ -526,6 +597,28 @@ def test_async_engine_failures_stay_with_their_callers(bart_path):
 
     asyncio.run(main())
     assert not engine.has_unfinished_requests() and engine.num_free_blocks() == engine.num_total_blocks()
+
+
+def test_requests_are_prepared_off_the_event_loop_and_the_engine_thread(bart_path, make_llm, monkeypatch):
+    """Tokenizing, resolving bad words and building sampler state run in the input workers."""
+    engine = make_llm(bart_path, num_kv_blocks=64).engine
+    threads = []
+    process = engine.process_request
+
+    def recording(prompt, params):
+        threads.append(threading.current_thread().name)
+        return process(prompt, params)
+
+    monkeypatch.setattr(engine, "process_request", recording)
+
+    async def main():
+        async_engine = AsyncLLMEngine(engine)
+        outs = [o async for o in async_engine.generate("A document.", SamplingParams(max_tokens=2), "r")]
+        await async_engine.shutdown()
+        return outs[-1]
+
+    assert asyncio.run(main()).finished
+    assert len(threads) == 1 and threads[0].startswith("encdec-inputs")
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(bart_path):

@@ -91,14 +91,14 @@ def test_both_drivers_detect_the_language_once_then_fan_the_chunks_out(tmp_path,
 def test_a_failing_chunk_stops_the_others_and_frees_their_blocks(tmp_path, make_llm, monkeypatch):
     llm = whisper(tmp_path, make_llm, multilingual=False)
     engine = llm.engine
-    add = engine.add_request
+    add = engine.add_processed  # where both drivers' requests are queued
 
     def refuse_the_second_chunk(request_id, *args):
         if "-part1-" in request_id:
             raise ValueError("refused for the test")
         return add(request_id, *args)
 
-    monkeypatch.setattr(engine, "add_request", refuse_the_second_chunk)
+    monkeypatch.setattr(engine, "add_processed", refuse_the_second_chunk)
     with pytest.raises(ValueError, match="refused for the test"):
         run_async(engine, CHUNKED, MEETING)
     assert not engine.has_unfinished_requests()  # the first chunk's request was aborted

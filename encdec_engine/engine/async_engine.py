@@ -6,10 +6,16 @@
         ^                                            step() -> RequestOutputs
         +---- newest output per request <---------- loop.call_soon_threadsafe(deliver)
 
-Outputs are cumulative (all text and tokens so far), so a slow consumer simply sees
-the newest one. A consumer that stops listening (client gone, task cancelled)
-aborts its requests: the engine thread frees their self and cross blocks before
-its next step. A step that raises fails only the callers in flight, with
+Requests are prepared (tokenized, audio features computed, bad words resolved,
+sampler state built) in a small worker pool before they reach the engine
+thread, so neither the event loop nor the other requests' steps wait on that
+work. Outputs are cumulative (all text and tokens so far), so a slow consumer
+simply sees the newest one. A consumer that stops listening (client gone, task
+cancelled) aborts its requests: the engine thread frees their self and cross
+blocks before its next step. A request that fails while it runs (finish_reason
+"error": its result could not be applied, or the forward running it raised)
+raises `RequestFailedError` to its caller alone. Should `LLMEngine.step` itself
+raise (a bug outside any one request), the callers in flight get
 `EngineStepError`; the engine goes on when aborting them left it consistent
 (every block free), and is declared dead (`EngineDeadError`) otherwise.
 """
@@ -28,7 +34,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from encdec_engine.engine.llm_engine import LLMEngine
+from encdec_engine.engine.llm_engine import LLMEngine, ProcessedRequest
 from encdec_engine.inputs.prompts import PromptType
 from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
@@ -46,6 +52,14 @@ class EngineDeadError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """A step raised; the requests in flight were aborted and their callers get this error."""
+
+
+class RequestFailedError(RuntimeError):
+    """The request ended with finish_reason "error" (the engine went on with the others)."""
+
+    def __init__(self, output: RequestOutput) -> None:
+        super().__init__(f"request {output.request_id} failed: {output.error}")
+        self.output = output
 
 
 @dataclass(frozen=True)
@@ -86,8 +100,10 @@ class AsyncLLMEngine:
     ...     print(out.outputs[0].text)
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, input_workers: int = 2) -> None:
         self.engine = engine
+        # Prepares requests (LLMEngine.process_request) off the event loop and the engine thread.
+        self._inputs = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="encdec-inputs")
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._mailboxes: dict[str, _Mailbox] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -146,6 +162,7 @@ class AsyncLLMEngine:
             return
         self._commands.put(("stop",))
         await asyncio.to_thread(self._thread.join, 30.0)
+        self._inputs.shutdown(wait=False, cancel_futures=True)
 
     # -- requests ------------------------------------------------------------
     def new_request_id(self, prefix: str = "req") -> str:
@@ -161,15 +178,18 @@ class AsyncLLMEngine:
     async def generate_batch(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
                              request_ids: Sequence[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Stream `(index, output)` for several requests added at once: either all are added or,
-        if one is bad, none is and ValueError names its index."""
+        if one is bad, none is and ValueError names its index. A request that fails while it runs
+        raises RequestFailedError (the others of the batch are then aborted)."""
         if not (len(prompts) == len(params) == len(request_ids)) or not prompts:
             raise ValueError("generate_batch needs as many prompts, params and request ids, at least one")
         self._check_accepting()
         if self._thread is None:
             self.start()
+        processed = await asyncio.wrap_future(self._inputs.submit(self._process, prompts, params))
+        self._check_accepting()
         box = _Mailbox()
         index = {rid: i for i, rid in enumerate(request_ids)}
-        self._submit(("add", list(zip(request_ids, prompts, params)), box))
+        self._submit(("add", list(zip(request_ids, processed)), box))
         unfinished = set(request_ids)
         self._active.update(request_ids)
         try:
@@ -183,11 +203,23 @@ class AsyncLLMEngine:
                 for rid, out in pending.items():
                     if out.finished:
                         unfinished.discard(rid)
+                        if out.error is not None:
+                            raise RequestFailedError(out)
                     yield index[rid], out
         finally:
             self._active.difference_update(request_ids)
             if unfinished:
                 self._commands.put(("abort", list(unfinished)))
+
+    def _process(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams]) -> list[ProcessedRequest]:
+        """In the input workers: validate and prepare every request of a batch, naming a bad one's index."""
+        processed = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                processed.append(self.engine.process_request(prompt, p))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+        return processed
 
     def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
         """Run `fn(engine)` on the engine thread between steps (from any thread); the future holds its result."""
@@ -237,7 +269,7 @@ class AsyncLLMEngine:
                     self._step()
         except BaseException as e:  # a bug in this loop: fail everyone rather than hang them
             logger.exception("engine thread crashed")
-            self._dead = f"the engine thread crashed: {e!r}"
+            self._dead = "the engine thread crashed (the log has the traceback)"
             self._fail_all(lambda: EngineDeadError(self._dead))
         finally:
             self._refuse_pending()
@@ -276,14 +308,14 @@ class AsyncLLMEngine:
                 self._fail_all(lambda: EngineDeadError("the engine was shut down; request aborted"))
                 self._dead = "the engine was shut down"
 
-    def _add(self, items: list[tuple[str, PromptType, SamplingParams]], box: _Mailbox) -> None:
+    def _add(self, items: list[tuple[str, ProcessedRequest]], box: _Mailbox) -> None:
         if self._dead is not None:
             return self._post([(box, EngineDeadError(self._dead))])
         added: list[str] = []
         try:
-            for i, (rid, prompt, params) in enumerate(items):
+            for i, (rid, request) in enumerate(items):
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_processed(rid, request)
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}" if len(items) > 1 else str(e)) from None
                 added.append(rid)
@@ -317,7 +349,7 @@ class AsyncLLMEngine:
             self._fail_all(lambda: EngineStepError(f"engine step failed ({e!r}); the request was aborted"))
             free, total = self.engine.num_free_blocks(), self.engine.num_total_blocks()
             if self.engine.has_unfinished_requests() or free != total:
-                self._dead = f"engine state inconsistent after a failed step ({e!r})"
+                self._dead = "engine state inconsistent after a failed step (the log has the traceback)"
             return
         batch = []
         for out in outputs:

@@ -46,6 +46,11 @@ class BlockAllocator:
     A freed block that holds cached content (it has a hash) stays findable
     until it is handed out again; free blocks are reused least recently
     freed first, so cached content lives as long as possible.
+
+    A hash registered while a step is being scheduled is pending: the step's
+    own groups may share it (they run in the same forward), and it stays once
+    the step succeeded (`commit`); a failed step never wrote the block, so
+    `rollback` un-registers it and no later request reads garbage.
     """
 
     def __init__(self, num_blocks: int, first_id: int = 0) -> None:
@@ -58,6 +63,7 @@ class BlockAllocator:
         self._refs: dict[int, int] = {}
         self._cached: dict[bytes, int] = {}  # content key -> block
         self._hash_of: dict[int, bytes] = {}  # block -> content key
+        self._pending: list[tuple[bytes, int]] = []  # registered since the last commit or rollback
 
     @property
     def num_free(self) -> int:
@@ -99,6 +105,19 @@ class BlockAllocator:
             return
         self._cached[content_hash] = block
         self._hash_of[block] = content_hash
+        self._pending.append((content_hash, block))
+
+    def commit(self) -> None:
+        """The step that registered the pending hashes wrote their blocks: keep them."""
+        self._pending.clear()
+
+    def rollback(self) -> None:
+        """The step that registered the pending hashes failed: forget them (the blocks hold garbage)."""
+        for content_hash, block in self._pending:
+            if self._cached.get(content_hash) == block:
+                del self._cached[content_hash]
+                del self._hash_of[block]
+        self._pending.clear()
 
 
 class BlockManager:
@@ -115,9 +134,11 @@ class BlockManager:
         self.swap = BlockAllocator(num_swap_blocks)
         self.watermark_blocks = int(watermark * num_device_blocks)
         self.block_tables: dict[int, list[int]] = {}  # decoder seq id -> self blocks
-        self.cross_block_tables: dict[str, list[int]] = {}  # request id -> cross blocks
+        # Group key -> cross blocks. Keyed by SequenceGroup.key, unique for the process's life, never by
+        # request id (callers choose those and may reuse them).
+        self.cross_block_tables: dict[int, list[int]] = {}
         self._swapped_seqs: set[int] = set()
-        self._swapped_cross: set[str] = set()
+        self._swapped_cross: set[int] = set()
 
     # -- queries -------------------------------------------------------------
     @property
@@ -138,23 +159,24 @@ class BlockManager:
         return self.block_tables[seq.seq_id]
 
     def get_cross_block_table(self, group: SequenceGroup) -> list[int] | None:
-        return self.cross_block_tables.get(group.request_id)
+        return self.cross_block_tables.get(group.key)
 
     def group_blocks(self, group: SequenceGroup) -> int:
         """Distinct blocks the group holds now."""
-        blocks = set(self.cross_block_tables.get(group.request_id, ()))
+        blocks = set(self.cross_block_tables.get(group.key, ()))
         for seq in group.seqs:
             blocks.update(self.block_tables.get(seq.seq_id, ()))
         return len(blocks)
 
     def _self_key(self, group: SequenceGroup) -> bytes | None:
         """The content-key namespace of the group's self blocks. With caching on: its encoder input
-        (decoder-only prompts share one). Off: a key of its own when several sequences are
-        prefilled together (a forked request recomputed), so they share their common prefix."""
+        (decoder-only prompts share one). Off: a namespace of its own when several sequences are
+        prefilled together (a forked request recomputed), so they share their common prefix; those
+        keys live only in one `allocate` call, never in the pool's cache."""
         if self.enable_caching:
             return group.encoder_seq.cache_key if group.encoder_seq is not None else b"decoder-only"
         if len(group.get_seqs(SequenceStatus.WAITING)) > 1:
-            return chain_hash(b"group", group.request_id)
+            return b"this-request"
         return None
 
     def _self_hashes(self, tokens: list[int], key: bytes) -> list[bytes]:
@@ -210,10 +232,12 @@ class BlockManager:
         """
         enc = group.encoder_seq
         self_key = self._self_key(group)
+        # Caching off: the forks of one request share through this map alone, gone after the call.
+        scope = None if self.enable_caching else {}
         for seq in group.get_seqs(SequenceStatus.WAITING):
-            self.block_tables[seq.seq_id] = self._allocate_self(seq, self_key, group.prefill_from)
+            self.block_tables[seq.seq_id] = self._allocate_self(seq, self_key, group.prefill_from, scope)
         key = enc.cache_key if self.enable_caching and enc is not None else None
-        if enc is not None and group.request_id not in self.cross_block_tables:
+        if enc is not None and group.key not in self.cross_block_tables:
             n = blocks_for(enc.num_positions, self.block_size)
             hashes = [chain_hash(key, "cross", i) for i in range(n)] if key is not None else []
             cached = [self.device.lookup(h) for h in hashes]
@@ -224,37 +248,52 @@ class BlockManager:
             if group.encoder_cached:
                 for block in cached:
                     self.device.incref(block)
-                self.cross_block_tables[group.request_id] = cached
+                self.cross_block_tables[group.key] = cached
             else:
                 table = [self.device.allocate() for _ in range(n)]
                 for block, h in zip(table, hashes):  # computed by this group's prefill, this step
                     self.device.register(block, h)
-                self.cross_block_tables[group.request_id] = table
+                self.cross_block_tables[group.key] = table
 
-    def _allocate_self(self, seq: Sequence, key, compute_from: int | None = None) -> list[int]:
+    def _allocate_self(self, seq: Sequence, key, compute_from: int | None = None,
+                       scope: dict[bytes, int] | None = None) -> list[int]:
         """The sequence's self table, reusing cached full blocks before position `compute_from`
-        (default: the last token, which must be computed for its logits)."""
+        (default: the last token, which must be computed for its logits). With a `scope` map the
+        blocks are found in and registered there instead of the pool's cache."""
         bs = self.block_size
         table: list[int] = []
         hashes: list[bytes] = []
         if key is not None:
             hashes = self._self_hashes(seq.data.token_ids, key)
-            self.cache_stats["self_queries"] += 1
+            if scope is None:
+                self.cache_stats["self_queries"] += 1
             reusable = hashes if compute_from is None else hashes[: compute_from // bs]
             for h in reusable:
-                block = self.device.lookup(h)
+                block = self.device.lookup(h) if scope is None else scope.get(h)
                 if block is None:
                     break
                 self.device.incref(block)
                 table.append(block)
-            self.cache_stats["self_block_hits"] += len(table)
+            if scope is None:
+                self.cache_stats["self_block_hits"] += len(table)
             seq.data.num_computed_tokens = len(table) * bs
         while len(table) < blocks_for(len(seq), bs):
             block = self.device.allocate()
             if len(table) < len(hashes):
-                self.device.register(block, hashes[len(table)])
+                if scope is None:
+                    self.device.register(block, hashes[len(table)])
+                else:
+                    scope.setdefault(hashes[len(table)], block)
             table.append(block)
         return table
+
+    def commit_step(self) -> None:
+        """The step's forward succeeded: the hashes of the blocks it allocated become lasting."""
+        self.device.commit()
+
+    def rollback_step(self) -> None:
+        """The step's forward failed: un-register the hashes of the blocks it allocated."""
+        self.device.rollback()
 
     def append_need(self, group: SequenceGroup, status: SequenceStatus = SequenceStatus.RUNNING) -> int:
         """Device blocks `append_slots` takes for the group's sequences in `status` (their tables in
@@ -325,18 +364,18 @@ class BlockManager:
         for seq in group.get_seqs(status):
             self.block_tables[seq.seq_id] = move(self.block_tables[seq.seq_id])
             (self._swapped_seqs.add if to_swap else self._swapped_seqs.discard)(seq.seq_id)
-        rid = group.request_id
-        if rid in self.cross_block_tables:
-            self.cross_block_tables[rid] = move(self.cross_block_tables[rid])
-            (self._swapped_cross.add if to_swap else self._swapped_cross.discard)(rid)
+        key = group.key
+        if key in self.cross_block_tables:
+            self.cross_block_tables[key] = move(self.cross_block_tables[key])
+            (self._swapped_cross.add if to_swap else self._swapped_cross.discard)(key)
         return mapping
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         return self.group_blocks(group) <= self.swap.num_free
 
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
-        rid = group.request_id
-        swapped = set(self.cross_block_tables.get(rid, ()) if rid in self._swapped_cross else ())
+        key = group.key
+        swapped = set(self.cross_block_tables.get(key, ()) if key in self._swapped_cross else ())
         for seq in group.get_seqs(SequenceStatus.SWAPPED):
             swapped.update(self.block_tables[seq.seq_id])
         needed = len(swapped) + self.append_need(group, SequenceStatus.SWAPPED)
@@ -359,7 +398,7 @@ class BlockManager:
 
     def free_cross(self, group: SequenceGroup) -> None:
         """Release a group's cross table (from whichever pool it lives in)."""
-        self._release(self.cross_block_tables.pop(group.request_id, None), group.request_id, self._swapped_cross)
+        self._release(self.cross_block_tables.pop(group.key, None), group.key, self._swapped_cross)
 
     def _release(self, table: list[int] | None, key, swapped: set) -> None:
         if table is None:

@@ -5,20 +5,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-
-import torch
+from dataclasses import dataclass
 
 from encdec_engine.config import EngineConfig
 from encdec_engine.engine.beam_search import BeamState
 from encdec_engine.engine.block_manager import BlockManager, blocks_for
-from encdec_engine.engine.detokenizer import Detokenizer
 from encdec_engine.engine.loader import LoadedModel, load_model
+from encdec_engine.engine.output_processor import OutputProcessor
 from encdec_engine.engine.scheduler import Scheduler, SchedulerConfig
-from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from encdec_engine.inputs.preprocess import InputProcessor
+from encdec_engine.inputs.preprocess import InputProcessor, ProcessedInputs
 from encdec_engine.inputs.prompts import PromptType
-from encdec_engine.outputs import CompletionOutput, RequestOutput
+from encdec_engine.layers.sampling_state import RequestSampling
+from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
+from encdec_engine.sequence import Sequence, SequenceGroup
 from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
 from encdec_engine.worker.cuda_graphs import graph_batch_sizes
 from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool, weight_bytes
@@ -26,6 +26,16 @@ from encdec_engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 _GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A request validated and prepared by `LLMEngine.process_request`, ready to be queued."""
+
+    inputs: ProcessedInputs
+    params: SamplingParams  # the engine's copy (bad words resolved to token ids)
+    sampling: RequestSampling
+    no_speech_position: int | None  # prompt position probed for no_speech_prob
 
 
 class LLMEngine:
@@ -56,8 +66,7 @@ class LLMEngine:
         self.block_manager = BlockManager(bs, num_blocks, num_swap, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget), self.block_manager)
         self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, loaded.backend, self.cache_engine, bs, self.device,
-                                  self.eos_token_ids, config.seed)
+        self.runner = ModelRunner(self.model, loaded.backend, self.cache_engine, bs, self.device, config.seed)
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(loaded)
         self.input_processor = InputProcessor(
@@ -65,13 +74,14 @@ class LLMEngine:
             loaded.decoder_start_token_id, loaded.default_decoder_prompt, self.eos_token_id,
             loaded.decoder_prompt_starts,
         )
-        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.groups: dict[str, SequenceGroup] = {}
         # OpenAI's rule, which the server turns on: a max_tokens past the model's length limit is an
         # error. Off (vLLM's offline behaviour), such a request ends at the limit with "length".
         self.reject_max_tokens_past_limit = False
         self._seq_ids = itertools.count()
-        self.stats = {"prefill_steps": 0, "decode_steps": 0, "generated_tokens": 0, "encoder_runs": 0}
+        self.output_processor = OutputProcessor(self.block_manager, self.tokenizer, lambda: next(self._seq_ids))
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "generated_tokens": 0, "encoder_runs": 0,
+                      "failed_steps": 0}
 
     def _capture_decode_graphs(self, loaded: LoadedModel) -> None:
         backend = loaded.backend
@@ -92,11 +102,10 @@ class LLMEngine:
                     len(sizes), sizes[-1], time.perf_counter() - start, used / (1 << 20))
 
     # -- requests ------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; a bad one raises ValueError and leaves the engine untouched."""
-        if request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def process_request(self, prompt: PromptType, params: SamplingParams | None = None) -> ProcessedRequest:
+        """Validate and prepare a request: tokenize, compute audio features, resolve bad words, build its
+        sampler state. Reads only what never changes after start-up, so any thread may call it (the async
+        engine does, off its engine thread and the event loop). A bad request raises ValueError."""
         params = params or SamplingParams()
         if self.input_processor.num_mel_bins is not None:  # Whisper: HF generate's suppression by default
             params = params.with_checkpoint_suppression(self.generation_config)
@@ -105,21 +114,41 @@ class LLMEngine:
             params = params.resolve_bad_words(self.tokenizer, self.input_processor.vocab_size)
         inputs = self.input_processor.process(prompt, params)
         self._check_fits(inputs.decoder_token_ids, inputs.encoder_seq, params)
+        sampling = RequestSampling.build(params, self.eos_token_ids, self.input_processor.vocab_size, self.device)
+        no_speech = None
+        if params.no_speech_token_id is not None:
+            no_speech = self._no_speech_position(inputs.decoder_token_ids, params.no_speech_token_id)
+        return ProcessedRequest(inputs, params, sampling, no_speech)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; a bad one raises ValueError and leaves the engine untouched."""
+        self._check_request_id(request_id)
+        self.add_processed(request_id, self.process_request(prompt, params), arrival_time)
+
+    def add_processed(self, request_id: str, request: ProcessedRequest, arrival_time: float | None = None) -> None:
+        """Queue a request prepared by `process_request`."""
+        self._check_request_id(request_id)
+        inputs, params = request.inputs, request.params
         # One sequence runs the prefill; n > 1 and beam search fork it afterwards, sharing its blocks.
         seqs = [Sequence(next(self._seq_ids), inputs.decoder_token_ids, inputs.decoder_prompt)]
         group = SequenceGroup(request_id, seqs, params, arrival_time or time.monotonic(), inputs.encoder_seq)
-        if params.no_speech_token_id is not None:
-            group.no_speech_position = self._no_speech_position(inputs.decoder_token_ids, params.no_speech_token_id)
-            group.prefill_from = group.no_speech_position
+        group.sampling = request.sampling
+        if request.no_speech_position is not None:
+            group.no_speech_position = group.prefill_from = request.no_speech_position
         if params.prompt_logprobs is not None or params.cross_attention_heads is not None:
             group.prefill_from = 0
         prompt_len = len(inputs.decoder_token_ids)
         group.max_len = min(prompt_len + (params.max_tokens or self.max_decoder_len), self.max_decoder_len)
         if params.use_beam_search:  # stop_token_ids end a beam as an EOS does (HF: a list of EOS ids)
             group.beam = BeamState(params.num_beams, params.length_penalty, params.early_stopping, prompt_len,
-                                   group.max_len, tuple(params.all_stop_token_ids(self.eos_token_ids)))
+                                   group.max_len, tuple(request.sampling.stop_token_ids))
         self.groups[request_id] = group
         self.scheduler.add(group)
+
+    def _check_request_id(self, request_id: str) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
 
     def _check_fits(self, decoder_ids: list[int], encoder_seq, params: SamplingParams) -> None:
         prompt_len = len(decoder_ids)
@@ -165,13 +194,15 @@ class LLMEngine:
         """Stop a request wherever it is; its self and cross blocks are freed at once."""
         group = self.scheduler.abort(request_id)
         group = self.groups.pop(request_id, group)
-        return self._output(group) if group is not None else None
+        return self.output_processor.output(group) if group is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- stepping ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one scheduler step. A forward that raises fails only this step's requests (finish_reason
+        "error"); a failure while applying one request's result fails that request alone."""
         metadata, out = self.scheduler.schedule()
         outputs = [self._finish_ignored(g) for g in out.ignored]
         # Swap-ins were decided before this step's preemptions: their swap blocks may be handed
@@ -184,33 +215,28 @@ class LLMEngine:
         self.stats["prefill_steps" if out.is_prompt else "decode_steps"] += 1
         if out.is_prompt:
             self.stats["encoder_runs"] += sum(1 for g in out.groups if g.encoder_seq is not None and not g.encoder_cached)
-        now = time.monotonic()
-        beam_rows: dict[str, list] = {}
-        for row, result in self.runner.execute(metadata, out.is_prompt):
-            group = row.group.group
-            seq = next(s for s in group.seqs if s.seq_id == row.seq_id)
-            seq.data.num_computed_tokens = len(seq)
-            if group.first_token_time is None:
-                group.first_token_time = now
-            if group.beam is not None:
-                beam_rows.setdefault(group.request_id, (group, []))[1].append((seq, result))
-                continue
-            # Fork before appending, so children copy the parent as it was.
-            targets = [seq] + [self._fork(group, seq) for _ in result[1:]]
-            for target, sample in zip(targets, result):
-                target.append_token(sample.token_id, sample.logprob, sample.top_logprobs)
-                self._check_stop(target, group)
-                if target.is_finished():  # its blocks go back now, not when the whole group is done
-                    self.block_manager.free(target)
-        for group, rows in beam_rows.values():
-            self._beam_step(group, rows)
-        self.stats["generated_tokens"] += sum(len(m.seq_data) for m in metadata)
+        try:
+            result = self.runner.execute(metadata, out.is_prompt)
+        except Exception as e:
+            # Nothing this step computed can be trusted: the blocks it allocated were not (all) written,
+            # so their content hashes go before anyone can find them.
+            self.block_manager.rollback_step()
+            logger.exception("a %s step of %d requests failed; they alone are ended",
+                             "prefill" if out.is_prompt else "decode", len(out.groups))
+            self.stats["failed_steps"] += 1
+            for group in out.groups:
+                self.output_processor.fail(group, f"the model step running this request failed "
+                                                  f"({type(e).__name__}: {e})")
+        else:
+            self.block_manager.commit_step()
+            self.output_processor.apply(out.groups, result, time.monotonic())
+            self.stats["generated_tokens"] += sum(len(m.seq_data) for m in metadata)
         self.scheduler.free_finished()
         for group in out.groups:
             if group.is_finished():
                 group.finished_time = time.monotonic()
                 self.groups.pop(group.request_id, None)
-            outputs.append(self._output(group))
+            outputs.append(self.output_processor.output(group))
         return outputs
 
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
@@ -222,109 +248,7 @@ class LLMEngine:
             group.beam.cap([s.output_token_ids for s in group.seqs])
         group.finished_time = time.monotonic()
         self.groups.pop(group.request_id, None)
-        return self._output(group)
-
-    def _fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
-        """A new sequence that shares the parent's tokens and KV blocks (copy-on-write)."""
-        child = parent.fork(next(self._seq_ids))
-        self.block_manager.fork(parent, child)
-        group.seqs.append(child)
-        return child
-
-    def _beam_step(self, group: SequenceGroup, rows: list) -> None:
-        seqs = [seq for seq, _ in rows]
-        step = group.beam.step(torch.stack([r for _, r in rows]), [s.output_token_ids for s in seqs])
-        # Each new beam extends a parent: the first claim reuses the parent, later ones fork it.
-        claimed: set[int] = set()
-        children = []
-        for parent_index in step.parents:
-            parent = seqs[parent_index if len(seqs) > 1 else 0]
-            if parent.seq_id in claimed:
-                children.append(self._fork(group, parent))
-            else:
-                claimed.add(parent.seq_id)
-                children.append(parent)
-        for seq in seqs:
-            if seq.seq_id not in claimed:  # pruned beam
-                self.block_manager.free(seq)
-        group.seqs = children  # beam order: the next step's rows line up with the beam scores
-        for child, token in zip(children, step.tokens):
-            child.append_token(token, 0.0, None)
-            if step.done:
-                child.status = SequenceStatus.FINISHED_STOPPED
-
-    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
-        params = group.sampling_params
-        token = seq.output_token_ids[-1]
-        delta = ""
-        if self.detokenizer is not None:
-            delta = self.detokenizer.step(seq, params.skip_special_tokens)
-        if len(seq.output_token_ids) >= params.min_tokens:
-            eos = token in self.eos_token_ids and not params.ignore_eos
-            if eos or token in params.stop_token_ids:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                seq.stop_reason = None if eos else token
-                if delta and not params.include_stop_str_in_output:  # vLLM: the stop token's text is left out
-                    seq.output_text = seq.output_text[: -len(delta)]
-                return
-            if params.stop and delta and self._hit_stop_string(seq, params, len(delta)):
-                return
-        if len(seq) >= group.max_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-
-    @staticmethod
-    def _hit_stop_string(seq: Sequence, params: SamplingParams, delta_len: int) -> bool:
-        text = seq.output_text
-        for stop in params.stop:
-            idx = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
-            if idx >= 0:
-                seq.output_text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-                return True
-        return False
-
-    def _beam_outputs(self, group: SequenceGroup) -> list[CompletionOutput]:
-        params = group.sampling_params
-        outputs = []
-        for i, (tokens, score) in enumerate(group.beam.best(params.n)):
-            text = ""
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
-            reason = "stop" if tokens and tokens[-1] in group.beam.eos_token_ids else "length"
-            # As vLLM: cumulative_logprob is the beam's summed log-probability; the ranking divided it
-            # by length ** length_penalty (HF's sequences_scores).
-            total = score * max(1, len(tokens)) ** params.length_penalty
-            outputs.append(CompletionOutput(i, text, tokens, total, None, reason))
-        return outputs
-
-    def _output(self, group: SequenceGroup) -> RequestOutput:
-        params = group.sampling_params
-        seqs = group.seqs
-        if group.is_finished() and params.best_of > params.n:
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
-        outputs = self._beam_outputs(group) if group.beam is not None and group.is_finished() else [
-            CompletionOutput(
-                index=i, text=s.output_text, token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if params.logprobs is not None else None,
-                logprobs=list(s.output_logprobs) if params.logprobs is not None else None,
-                finish_reason=s.status.finish_reason, stop_reason=s.stop_reason,
-            )
-            for i, s in enumerate(seqs)
-        ]
-        first = group.seqs[0]
-        enc = group.encoder_seq
-        metrics = {"arrival_time": group.arrival_time}
-        if group.first_token_time is not None:
-            metrics["first_token_time"] = group.first_token_time
-        if group.finished_time is not None:
-            metrics["finished_time"] = group.finished_time
-        return RequestOutput(
-            request_id=group.request_id, prompt=first.prompt, prompt_token_ids=list(first.data.prompt_token_ids),
-            encoder_prompt=enc.prompt if enc else None,
-            encoder_prompt_token_ids=list(enc.prompt_token_ids) if enc and enc.prompt_token_ids else None,
-            outputs=outputs, finished=group.is_finished(), metrics=metrics, no_speech_prob=group.no_speech_prob,
-            prompt_logprobs=group.prompt_logprobs, cross_attentions=group.cross_attentions,
-        )
+        return self.output_processor.output(group)
 
     # -- introspection -------------------------------------------------------
     def num_free_blocks(self) -> tuple[int, int]:

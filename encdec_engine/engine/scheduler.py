@@ -212,14 +212,22 @@ class Scheduler:
 
     def _metadata(self, group: SequenceGroup, is_prompt: bool) -> SequenceGroupMetadata:
         seqs = group.get_seqs(SequenceStatus.RUNNING)
+        params = group.sampling_params
+        first_prefill = is_prompt and len(group.seqs) == 1  # a request that forks does so at its first token
         return SequenceGroupMetadata(
             request_id=group.request_id,
             is_prompt=is_prompt,
             seq_data={s.seq_id: s.data for s in seqs},
-            sampling_params=group.sampling_params,
+            sampling_params=params,
             block_tables={s.seq_id: self.block_manager.get_block_table(s) for s in seqs},
             encoder_seq_data=group.encoder_seq,
             cross_block_table=self.block_manager.get_cross_block_table(group),
             encoder_cached=group.encoder_cached,
-            group=group,
+            sampling=group.sampling,
+            max_len=group.max_len,
+            fanout=params.best_of if first_prefill and params.best_of > 1 and not params.use_beam_search else 1,
+            no_speech_position=group.no_speech_position,
+            want_prompt_logprobs=is_prompt and params.prompt_logprobs is not None and group.prompt_logprobs is None,
+            want_cross_attentions=(is_prompt and params.cross_attention_heads is not None
+                                   and group.cross_attentions is None),
         )

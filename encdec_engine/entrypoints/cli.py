@@ -143,8 +143,11 @@ def cmd_generate(args) -> int:
             c = out.outputs[0]
             record = {"request_id": out.request_id, "text": c.text, "token_ids": c.token_ids,
                       "finish_reason": c.finish_reason}
+            if out.error is not None:  # it failed alone; the others ran to the end
+                record["error"] = out.error
+                print(f"error: prompt {out.request_id} failed: {out.error}", file=sys.stderr)
             sink.write(json.dumps(record) + "\n")
-    return 0
+    return 1 if any(out.error is not None for out in outs) else 0
 
 
 def cmd_summarize(args) -> int:
@@ -178,7 +181,7 @@ def cmd_serve(args) -> int:
         model = str(import_ct2_whisper(model, Path(model) / ".encdec-hf"))
     limits = ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
                           max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
-                          max_audio_seconds=args.max_audio_seconds)
+                          max_audio_seconds=args.max_audio_seconds, protect_info=args.protect_info)
     engine = dict(_engine_kwargs(args), swap_space_gb=args.swap_space_gb,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
@@ -201,6 +204,9 @@ def _add_serve_parser(sub) -> None:
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     sv.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $ENCDEC_API_KEY, else none)")
+    sv.add_argument("--protect-info", action=argparse.BooleanOptionalAction, default=None,
+                    help="/metrics, /docs, /redoc and /openapi.json need the API key too (without a key: are "
+                         "not served); default: on when an API key is set")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting to start; beyond: 429")
     sv.add_argument("--max-upload-mb", type=float, default=25.0, help="request body limit; beyond: 413")
     sv.add_argument("--max-audio-seconds", type=float, default=3600.0, help="audio length limit; beyond: 413")

@@ -11,17 +11,26 @@ import json
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from encdec_engine.outputs import RequestOutput
-from encdec_engine.sampling_params import SamplingParams
+from encdec_engine.sampling_params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_SEED,
+                                           MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                           SamplingParams)
 from encdec_engine.speech.audio import FRAMES_PER_SECOND
 from encdec_engine.speech.results import Transcription
 
+# Caps on the request bodies (each over its cap is a 400 naming the field; the sampling fields' caps
+# are SamplingParams'). Far above real use; they bound what one request can make the server hold or do.
 MAX_PROMPTS = 256  # prompts in one completion request
 MAX_N = 16  # completions per prompt
+MAX_PROMPT_CHARS = 1_000_000  # one text prompt (tokenized in a worker thread, never on the event loop)
+MAX_PROMPT_TOKEN_IDS = 1 << 18  # one token id prompt (truncate_prompt_tokens may cut a long one)
+MAX_NAME_CHARS = 256  # model, user
+MAX_AUDIO_PROMPT_CHARS = 8192  # a transcription's prompt (Whisper keeps its last 223 tokens)
+MAX_LANGUAGE_CHARS = 32
 
 
 # -- errors -----------------------------------------------------------------
@@ -37,21 +46,35 @@ class ErrorResponse(BaseModel):
 
 
 def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
-    """pydantic's errors -> one message naming each bad field, and the first field's name."""
-    parts, param = [], None
+    """pydantic's errors -> one message naming each bad field, and the first field's name. Of the errors
+    a union field gets (one per alternative), only the deepest are kept: `stop.1: ...` says more than
+    `stop: Input should be a valid string`; pydantic's type tags are left out of the field paths."""
+    found, param = [], None
     for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_type_tag(x)]
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         if err.get("type") == "json_invalid":
             msg, loc = f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})", []
-        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+        found.append((loc, msg))
         param = param or (loc[0] if loc else None)
+    depth: dict[str, int] = {}
+    for loc, _ in found:
+        key = loc[0] if loc else ""
+        depth[key] = max(depth.get(key, 0), len(loc))
+    parts = list(dict.fromkeys(f"{'.'.join(loc)}: {msg}" if loc else msg for loc, msg in found
+                               if len(loc) == depth[loc[0] if loc else ""]))
     return "; ".join(parts) or "invalid request", param
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic names the alternative of a union an error comes from ('str', 'list[constrained-str]')."""
+    return isinstance(part, str) and part != "[key]" and (
+        any(c in part for c in "[]-") or part in ("str", "int", "float", "bool", "list", "dict", "none"))
 
 
 # -- completions ------------------------------------------------------------
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False  # a last chunk with `usage` and no choices
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far too
 
@@ -65,10 +88,14 @@ def _singleton(value: Any, what: str) -> str | dict:
     if isinstance(value, str):
         if not value:
             raise ValueError(f"{what} is an empty string")
+        if len(value) > MAX_PROMPT_CHARS:
+            raise ValueError(f"{what} has {len(value)} characters, more than the limit of {MAX_PROMPT_CHARS}")
         return value
     if _is_token_list(value):
         if not value:
             raise ValueError(f"{what} is an empty list of token ids")
+        if len(value) > MAX_PROMPT_TOKEN_IDS:
+            raise ValueError(f"{what} has {len(value)} token ids, more than the limit of {MAX_PROMPT_TOKEN_IDS}")
         return {"prompt_token_ids": value}
     if isinstance(value, dict) and set(value) in ({"prompt"}, {"prompt_token_ids"}):
         return _singleton(value.get("prompt", value.get("prompt_token_ids")), what)
@@ -91,51 +118,77 @@ def parse_prompts(value: Any) -> list[str | dict]:
     """OpenAI's `prompt` (string, list of strings, token ids, list of token id lists) plus explicit
     `{"encoder_prompt": ..., "decoder_prompt": ...}` objects (alone or in a list) -> engine prompts."""
     if isinstance(value, list) and value and not _is_token_list(value):
-        prompts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(value)]
-    else:
-        prompts = [_one_prompt(value, "prompt")]
-    if len(prompts) > MAX_PROMPTS:
-        raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
-    return prompts
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(value)]
+    return [_one_prompt(value, "prompt")]
+
+
+def _prompt_json_schema() -> dict:
+    """The JSON schema of `prompt`, for the OpenAPI document (parse_prompts does the validating)."""
+    text = {"type": "string", "minLength": 1, "maxLength": MAX_PROMPT_CHARS}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1, "maxItems": MAX_PROMPT_TOKEN_IDS}
+    singleton = {"anyOf": [
+        text, ids,
+        {"type": "object", "properties": {"prompt": text}, "required": ["prompt"], "additionalProperties": False},
+        {"type": "object", "properties": {"prompt_token_ids": ids}, "required": ["prompt_token_ids"],
+         "additionalProperties": False}]}
+    explicit = {"type": "object", "additionalProperties": False, "required": ["encoder_prompt"],
+                "properties": {"encoder_prompt": singleton, "decoder_prompt": {"anyOf": [singleton, {"type": "null"}]}}}
+    one = {"anyOf": [singleton, explicit]}
+    return {"anyOf": [one, {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PROMPTS}],
+            "description": "string, list of strings, token ids, list of token id lists, or "
+                           "{'encoder_prompt': ..., 'decoder_prompt': ...} (or a list of them)"}
+
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+BadWord = Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
+TokenId = Annotated[int, Field(ge=0)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]+$", max_length=20)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+LogitBias = Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS), WithJsonSchema({
+    "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,20}$"},
+    "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0},
+    "description": "token id (as a string) -> bias in [-100, 100]"})]
 
 
 class CompletionRequest(BaseModel):
-    """`POST /v1/completions`. For an encoder/decoder model the prompt is the encoder prompt."""
+    """`POST /v1/completions`. For an encoder/decoder model the prompt is the encoder prompt. Strict, as
+    JSON is typed: "16" is not an integer (the OpenAPI document says which types each field takes)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str | None = None
-    prompt: Any = Field(description="string, list of strings, token ids, list of token id lists, or "
-                                    "{'encoder_prompt': ..., 'decoder_prompt': ...} (or a list of them)")
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    prompt: Annotated[Any, WithJsonSchema(_prompt_json_schema())]
     max_tokens: int | None = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED + 1)
     logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    logit_bias: LogitBias | None = None
     # OpenAI fields accepted only at their neutral value.
     echo: bool = False
     suffix: str | None = None
     # vLLM's extra sampling fields.
-    top_k: int = -1
+    top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     no_repeat_ngram_size: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
-    bad_words: list[str] | None = None
+    bad_words: list[BadWord] | None = Field(None, max_length=MAX_BAD_WORDS)
 
     @model_validator(mode="before")
     @classmethod
@@ -151,16 +204,6 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _parse_prompt(cls, value: Any) -> list[str | dict]:
         return parse_prompts(value)
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for token, bias in (value or {}).items():
-            if not (token.isascii() and token.isdigit()):
-                raise ValueError(f"keys must be token ids, got {token!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {token}")
-        return value
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
@@ -226,19 +269,25 @@ def usage_of(outputs: list[RequestOutput]) -> Usage:
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], decode: Callable[[int], str],
                         text_offset: int = 0) -> CompletionLogprobs:
-    """The engine's per-token {token_id: logprob} (sampled token + top-k) in OpenAI's layout."""
+    """The engine's per-token {token_id: logprob} (sampled token + top-k) in OpenAI's layout. JSON has
+    no -inf or NaN: such a log-probability (a banned token, degenerate sampling values) is -9999.0, as
+    vLLM sends it."""
     lp = CompletionLogprobs()
     for token, top in zip(token_ids, logprobs):
         piece = decode(token)
         lp.tokens.append(piece)
-        lp.token_logprobs.append(top.get(token, -math.inf))
+        lp.token_logprobs.append(_json_logprob(top.get(token, -math.inf)))
         ranked: dict[str, float] = {}
-        for t, v in sorted(top.items(), key=lambda item: -item[1]):  # most likely first; pieces that
-            ranked.setdefault(decode(t), v)  # decode alike (partial UTF-8 bytes) keep the likeliest
+        for t, v in sorted(top.items(), key=lambda item: -_json_logprob(item[1])):  # most likely first; pieces
+            ranked.setdefault(decode(t), _json_logprob(v))  # that decode alike (partial UTF-8) keep the likeliest
         lp.top_logprobs.append(ranked)
         lp.text_offset.append(text_offset)
         text_offset += len(piece)
     return lp
+
+
+def _json_logprob(value: float) -> float:
+    return value if math.isfinite(value) else -9999.0
 
 
 # -- audio ------------------------------------------------------------------
@@ -250,8 +299,8 @@ class TranslationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    prompt: str | None = None  # text that conditions the first window
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    prompt: str | None = Field(None, max_length=MAX_AUDIO_PROMPT_CHARS)  # text that conditions the first window
     response_format: AudioResponseFormat = "json"
     temperature: float = Field(0.0, ge=0.0, le=1.0)  # 0: greedy with temperature fallback
 
@@ -277,8 +326,9 @@ class ServerVadChunking(BaseModel):
 class TranscriptionRequest(TranslationRequest):
     """The form fields of `POST /v1/audio/transcriptions`."""
 
-    language: str | None = None  # ISO-639-1 code; None: English-only models use English, others detect
-    timestamp_granularities: list[Literal["segment", "word"]] = Field(default_factory=list)
+    # ISO-639-1 code; None: English-only models use English, others detect
+    language: str | None = Field(None, max_length=MAX_LANGUAGE_CHARS)
+    timestamp_granularities: list[Literal["segment", "word"]] = Field(default_factory=list, max_length=2)
     stream: bool = False
     # OpenAI's field: "auto" cuts audio over 30 s at its quietest moments and decodes the chunks at once
     # (TranscribeOptions.chunked); server_vad decodes only the speech Silero VAD finds, in chunks of at most

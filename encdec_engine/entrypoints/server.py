@@ -6,15 +6,19 @@ Which endpoints answer depends on the loaded model; the other kind gets a 404 th
     text models  POST /v1/completions                                     (BART: prompt = encoder prompt)
     always       GET /v1/models, /health, /metrics (Prometheus text)
 
-Every request passes the same gate: an optional Bearer API key (401), a body size
-limit (413), then a bounded queue of requests admitted but not yet running in the
+Every request passes the same gate: an optional Bearer API key (401; with the key set it
+also guards /metrics, /docs, /redoc and /openapi.json unless `--no-protect-info`), a body
+size limit (413), then a bounded queue of requests admitted but not yet running in the
 engine (429). Bad input is a 400 naming the problem, in OpenAI's error shape, and
-never reaches the engine thread. A client that goes away aborts its requests.
+never reaches the engine thread. An internal failure is a 500 whose body names a request
+id, never the exception (the log has the traceback under that id). A client that goes
+away aborts its requests.
 
 This module builds and runs the app; the parts live beside it:
 
     server_gate.py         ServerLimits, the API key and body size checks, the admission queue
     server_errors.py       APIError (OpenAI's error shape) and mapping engine exceptions to it
+    server_openapi.py      the OpenAPI document: real request and response bodies, error statuses
     server_metrics.py      request counters and latency histograms, the Prometheus text
     server_state.py        ServerState, server-sent events, cancelling on client disconnect
     server_completions.py  /v1/completions, whole or streamed
@@ -37,8 +41,9 @@ from encdec_engine.engine.async_engine import AsyncLLMEngine
 from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.entrypoints import protocol as P
 from encdec_engine.entrypoints import server_audio, server_completions
-from encdec_engine.entrypoints.server_errors import APIError
+from encdec_engine.entrypoints.server_errors import APIError, internal_error
 from encdec_engine.entrypoints.server_gate import Gate, ServerLimits
+from encdec_engine.entrypoints.server_openapi import install_openapi
 from encdec_engine.entrypoints.server_state import ServerState, state_of
 
 __all__ = ["ServerLimits", "build_app", "run_server"]
@@ -102,8 +107,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return APIError(500, f"internal error: {type(e).__name__}").response()
+        return internal_error(e, where=request.url.path).response()
 
 
 # -- building and running -----------------------------------------------------------
@@ -133,6 +137,7 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
     for endpoints in (router, server_completions.router, server_audio.router):
         app.include_router(endpoints)
     _install_error_handlers(app)
+    install_openapi(app, audio=state.is_audio)
     app.add_middleware(Gate, state=state)
     return app
 

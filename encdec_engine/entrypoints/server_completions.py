@@ -57,7 +57,7 @@ async def create_completion(body: P.CompletionRequest, request: Request) -> Resp
         finals = await until_disconnect(request, collect())
     except Exception as e:
         await outputs.aclose()
-        raise engine_error(e) from None
+        raise engine_error(e, request_id) from None
     finally:
         if not handed_over:
             ticket.release_all()
@@ -122,4 +122,4 @@ async def _completion_stream(st: ServerState, body: P.CompletionRequest, request
                                            usage=P.usage_of(list(finals.values()))))
         yield "data: [DONE]\n\n"
     except Exception as e:  # headers are out: report in-band, as OpenAI does
-        yield sse_error(e)
+        yield sse_error(e, request_id)

@@ -1,11 +1,20 @@
-"""Errors as the server answers them: OpenAI's `{"error": {...}}` shape with an HTTP status."""
+"""Errors as the server answers them: OpenAI's `{"error": {...}}` shape with an HTTP status.
+
+Internal failures (500, 503) never carry exception text to the client: the body names a request id,
+and the server log has the traceback under that id.
+"""
 
 from __future__ import annotations
+
+import logging
+import uuid
 
 from fastapi.responses import JSONResponse
 
 from encdec_engine.engine.async_engine import EngineDeadError
 from encdec_engine.entrypoints import protocol as P
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -20,19 +29,29 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        body = P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.TYPES.get(self.status, "error"),
-                                                 param=self.param, code=self.status))
         if self.status == 429:
             headers = {"Retry-After": "1", **(headers or {})}
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
+
+    def body(self) -> P.ErrorResponse:
+        return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.TYPES.get(self.status, "error"),
+                                                 param=self.param, code=self.status))
 
 
-def engine_error(e: Exception) -> APIError:
-    """The APIError for an exception from handling a request: bad input 400, engine gone 503, else 500."""
+def engine_error(e: Exception, request_id: str | None = None) -> APIError:
+    """The APIError for an exception from handling a request: bad input 400, engine gone 503, else 500.
+    A 503 or 500 names a request id (`request_id`, or a new one) and logs the traceback under it."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, ValueError):
         return APIError(400, str(e))
+    return internal_error(e, request_id)
+
+
+def internal_error(e: BaseException, request_id: str | None = None, where: str = "") -> APIError:
+    """A 500 (503 when the engine is gone) whose body names a request id, not the exception."""
+    request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+    logger.error("request %s failed%s", request_id, f" on {where}" if where else "", exc_info=e)
     if isinstance(e, EngineDeadError):
-        return APIError(503, f"engine unavailable: {e}")
-    return APIError(500, f"internal error: {e}")
+        return APIError(503, f"the engine is not running (shut down or failed); request id {request_id}")
+    return APIError(500, f"internal error; request id {request_id} (the server log has the details)")

@@ -16,11 +16,16 @@ if TYPE_CHECKING:
     from encdec_engine.entrypoints.server_state import ServerState
 
 _API_PATHS = ("/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models")
+# What the server tells about itself (load, the API's shape): guarded when ServerLimits.protects_info.
+INFO_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 @dataclass(frozen=True)
 class ServerLimits:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
+    # /metrics, /docs, /redoc and /openapi.json need the key too (without a key they are not served).
+    # None: on when api_key is set.
+    protect_info: bool | None = None
     max_queue: int = 256  # engine requests admitted but not yet running; more get 429
     max_upload_mb: float = 25.0  # request body size (OpenAI's audio limit); more get 413
     max_audio_seconds: float = 3600.0  # decoded audio length; more get 413
@@ -35,6 +40,10 @@ class ServerLimits:
             raise ValueError(f"preprocess_workers must be at least 1, got {self.preprocess_workers}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no key)")
+
+    @property
+    def protects_info(self) -> bool:
+        return self.api_key is not None if self.protect_info is None else self.protect_info
 
     @property
     def max_body_bytes(self) -> int:
@@ -119,7 +128,10 @@ class Gate:
         try:
             headers = dict(scope["headers"])
             error = None
-            if limits.api_key is not None and path.startswith("/v1"):
+            guarded = path.startswith("/v1") or (limits.protects_info and path in INFO_PATHS)
+            if limits.protects_info and path in INFO_PATHS and limits.api_key is None:
+                error = APIError(404, f"{path} is not served here (--protect-info without an API key)")
+            elif limits.api_key is not None and guarded:
                 error = _check_api_key(headers.get(b"authorization"), limits.api_key)
             length = headers.get(b"content-length", b"")
             if error is None and length.isdigit() and int(length) > limits.max_body_bytes:

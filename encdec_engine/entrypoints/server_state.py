@@ -14,7 +14,6 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from encdec_engine.engine.async_engine import AsyncLLMEngine
-from encdec_engine.entrypoints import protocol as P
 from encdec_engine.entrypoints.server_errors import APIError, engine_error
 from encdec_engine.entrypoints.server_gate import Admission, ServerLimits, Ticket
 from encdec_engine.entrypoints.server_metrics import Metrics
@@ -58,10 +57,8 @@ def sse(payload: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
-def sse_error(e: Exception) -> str:
-    err = engine_error(e)
-    return sse(P.ErrorResponse(error=P.ErrorInfo(message=err.message, type=err.TYPES.get(err.status, "error"),
-                                                 code=err.status)))
+def sse_error(e: Exception, request_id: str | None = None) -> str:
+    return sse(engine_error(e, request_id).body())
 
 
 class SSEResponse(StreamingResponse):

@@ -2,7 +2,10 @@
 
 Each processor edits the float32 logits of the rows that use it, in place.
 Row state comes from `SamplingRow`: the decoder prompt, the tokens generated
-so far and the request's sampling params.
+so far, the request's sampling params and the sampler state built when the
+request was added (`RequestSampling`: index tensors, the seeded generator).
+A row whose processors raise is reported, not raised: its request fails
+alone and the other rows of the batch are sampled as if it were not there.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from encdec_engine.layers.sampling_state import RequestSampling
 from encdec_engine.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -23,9 +27,12 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]  # decoder prompt
     output_token_ids: list[int]
-    generator: torch.Generator | None = None
-    eos_token_ids: tuple[int, ...] = ()
+    state: RequestSampling | None = None  # None only for rows that use no processor (tests of truncation)
     max_len: int | None = None  # decoder length limit (prompt + max_tokens): forced_eos fills its last slot
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.state.generator if self.state is not None else None
 
     @property
     def token_ids(self) -> list[int]:
@@ -49,12 +56,6 @@ def apply_presence_frequency_penalties(logits: torch.Tensor, row: SamplingRow) -
     logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
 
 
-def banned_bad_word_tokens(tokens: list[int], bad_words: list[list[int]]) -> list[int]:
-    """Last tokens of the bad words whose other tokens end `tokens` (HF NoBadWordsLogitsProcessor)."""
-    return [word[-1] for word in bad_words
-            if len(word) == 1 or (len(word) - 1 <= len(tokens) and tokens[len(tokens) - len(word) + 1 :] == word[:-1])]
-
-
 def banned_ngram_tokens(tokens: list[int], n: int) -> list[int]:
     """Tokens that would repeat an n-gram already in `tokens` (HF no_repeat_ngram_size)."""
     if len(tokens) + 1 < n:
@@ -68,46 +69,53 @@ def _force(logits: torch.Tensor, token_id: int) -> None:
     logits[token_id] = 0.0
 
 
-def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Apply every configured processor to each row of `logits` [num_rows, vocab]."""
-    vocab = logits.shape[1]
+def apply_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, str]:
+    """Apply every configured processor to each row of `logits` [num_rows, vocab]. Returns the rows
+    whose processors raised, with the error; such a row's logits are zeroed (its sample is void)."""
+    errors: dict[int, str] = {}
     for i, row in enumerate(rows):
-        p, out = row.params, row.output_token_ids
-        x = logits[i]
-        if p.logit_bias:
-            x[list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=x.device)
-        if p.repetition_penalty != 1.0:
-            apply_repetition_penalty(x, row)
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            apply_presence_frequency_penalties(x, row)
-        if p.no_repeat_ngram_size > 0:
-            banned = banned_ngram_tokens(row.token_ids, p.no_repeat_ngram_size)
-            if banned:
-                x[banned] = NEG_INF
-        if p.bad_words_token_ids:
-            banned = banned_bad_word_tokens(row.token_ids, p.bad_words_token_ids)
-            if banned:
-                x[banned] = NEG_INF
-        if len(out) < p.min_tokens:
-            stop_ids = [t for t in p.all_stop_token_ids(row.eos_token_ids) if t < vocab]
-            if stop_ids:
-                x[stop_ids] = NEG_INF
-        # HF: BOS is forced only after a one-token decoder prompt, and pushes begin-suppression one step on.
-        bos_forced = p.forced_bos_token_id is not None and len(row.prompt_token_ids) == 1
-        if bos_forced and not out:
-            _force(x, p.forced_bos_token_id)
-        if p.forced_eos_token_id is not None and row.max_len is not None and len(row.token_ids) == row.max_len - 1:
-            _force(x, p.forced_eos_token_id)
-        if p.suppress_tokens:
-            x[p.suppress_tokens] = NEG_INF
-        if p.begin_suppress_tokens and len(out) == bos_forced:
-            x[p.begin_suppress_tokens] = NEG_INF
-        if p.allowed_token_ids is not None:
-            allowed = x[p.allowed_token_ids].clone()
-            x.fill_(NEG_INF)
-            x[p.allowed_token_ids] = allowed
-        for processor in p.logits_processors or ():
-            processor(out, x)
+        try:
+            _apply_row(logits[i], row)
+        except Exception as e:  # a user's processor, or a bug on one request's data: that request alone
+            errors[i] = f"{type(e).__name__}: {e}"
+            logits[i].zero_()
+    return errors
+
+
+def _apply_row(x: torch.Tensor, row: SamplingRow) -> None:
+    p, state, out = row.params, row.state, row.output_token_ids
+    if state.logit_bias_ids is not None:
+        x[state.logit_bias_ids] += state.logit_bias_values.to(x.dtype)
+    if p.repetition_penalty != 1.0:
+        apply_repetition_penalty(x, row)
+    if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+        apply_presence_frequency_penalties(x, row)
+    if p.no_repeat_ngram_size > 0:
+        banned = banned_ngram_tokens(row.token_ids, p.no_repeat_ngram_size)
+        if banned:
+            x[banned] = NEG_INF
+    if state.bad_words is not None:
+        banned = state.bad_words.banned(row.token_ids)
+        if banned:
+            x[banned] = NEG_INF
+    if len(out) < p.min_tokens and state.min_tokens_ban is not None:
+        x[state.min_tokens_ban] = NEG_INF
+    # HF: BOS is forced only after a one-token decoder prompt, and pushes begin-suppression one step on.
+    bos_forced = p.forced_bos_token_id is not None and len(row.prompt_token_ids) == 1
+    if bos_forced and not out:
+        _force(x, p.forced_bos_token_id)
+    if p.forced_eos_token_id is not None and row.max_len is not None and len(row.token_ids) == row.max_len - 1:
+        _force(x, p.forced_eos_token_id)
+    if state.suppress is not None:
+        x[state.suppress] = NEG_INF
+    if state.begin_suppress is not None and len(out) == bos_forced:
+        x[state.begin_suppress] = NEG_INF
+    if state.allowed is not None:
+        allowed = x[state.allowed].clone()
+        x.fill_(NEG_INF)
+        x[state.allowed] = allowed
+    for processor in p.logits_processors or ():
+        processor(out, x)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -14,14 +14,16 @@ class SampleResult:
     token_id: int
     logprob: float  # log-probability under the processed distribution (before temperature)
     top_logprobs: dict[int, float] | None  # sampled token + the top-k, when logprobs were asked for
+    error: str | None = None  # the row's processors raised: the sample is void, the request fails
 
 
-def beam_log_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def beam_log_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, dict[int, str]]:
     """Beam search scores as HF computes them: log-softmax first, then the processors
-    (which therefore edit log-probabilities). Returns [num_rows, vocab] float32."""
+    (which therefore edit log-probabilities). Returns [num_rows, vocab] float32 and the
+    rows whose processors raised."""
     log_probs = logits.float().log_softmax(dim=-1)
-    apply_processors(log_probs, rows)
-    return log_probs
+    errors = apply_processors(log_probs, rows)
+    return log_probs, errors
 
 
 class Sampler:
@@ -35,7 +37,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         logits = logits.float()  # [num_rows, vocab]
-        apply_processors(logits, rows)
+        errors = apply_processors(logits, rows)
         logprobs = logits.log_softmax(dim=-1)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -57,5 +59,5 @@ class Sampler:
                 if row.params.logprobs > 0:
                     values, ids = logprobs[i].topk(row.params.logprobs)
                     top.update(zip(ids.tolist(), values.tolist()))
-            results.append(SampleResult(token_list[i], chosen[i], top))
+            results.append(SampleResult(token_list[i], chosen[i], top, errors.get(i)))
         return results

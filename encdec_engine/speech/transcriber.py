@@ -72,6 +72,8 @@ class Transcriber:
     def take(self, job: TranscriptionJob, out: RequestOutput) -> list[TranscriptionJob]:
         """Fold the job's finished request in. Returns the jobs that need a request next: the job
         itself, none once it is done, or, after the language is detected, the input's chunks."""
+        if out.error is not None:  # the request failed in the engine: its tokens are no window's decode
+            raise RuntimeError(f"transcribing input {job.index} failed: {out.error}")
         if job.language is None:  # that was language detection
             job.language = self.tokens.language_of(out.outputs[0].token_ids[0]) or "en"
             return self._ready(job)

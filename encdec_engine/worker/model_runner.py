@@ -25,11 +25,12 @@ from encdec_engine.attention.capture import CaptureRequest, CrossCapture
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 from encdec_engine.sequence import SequenceGroupMetadata
 from encdec_engine.layers.logits_processors import SamplingRow
-from encdec_engine.layers.sampler import SampleResult, Sampler, beam_log_probs
+from encdec_engine.layers.sampler import Sampler, beam_log_probs
 from encdec_engine.models.interface import EncoderInputs
 from encdec_engine.worker.cache_engine import CacheEngine
 from encdec_engine.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs
 from encdec_engine.worker.input_prep import DecodeBatch, TokenArrays, pad_rows, prepare_token_arrays
+from encdec_engine.worker.step_output import PromptOutputs, RowOutput, StepOutput
 
 
 @dataclass
@@ -46,28 +47,24 @@ class ModelInput:
     captures: list[tuple[int, CaptureRequest]] = field(default_factory=list)  # (row, its cross-attention capture)
 
 
-StepResult = list[SampleResult] | torch.Tensor  # samples, or beam-search log-probs [vocab]
-
-
 @dataclass
 class StepRow:
     """One sampled decoder sequence of a step."""
 
     group: SequenceGroupMetadata
     seq_id: int
+    group_index: int  # the group's index in the step's metadata list
 
 
 class ModelRunner:
     def __init__(
-        self, model, backend, cache_engine: CacheEngine, block_size: int, device: torch.device,
-        eos_token_ids: tuple[int, ...], seed: int = 0,
+        self, model, backend, cache_engine: CacheEngine, block_size: int, device: torch.device, seed: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend
         self.cache = cache_engine
         self.block_size = block_size
         self.device = device
-        self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.graphs: DecodeGraphs | None = None  # decode from CUDA graphs (see use_decode_graphs)
         self.graph_steps = 0
@@ -143,7 +140,7 @@ class ModelRunner:
         position whose logits predict the next prompt token."""
         found, indices = [], []
         for i, r in enumerate(rows):
-            if r.group.sampling_params.prompt_logprobs is None or r.group.group.prompt_logprobs is not None:
+            if not r.group.want_prompt_logprobs:
                 continue
             count = self._whole_prompt(r, dec, i, "prompt_logprobs") - 1
             found.append((i, count))
@@ -154,7 +151,7 @@ class ModelRunner:
         captures = []
         for i, r in enumerate(rows):
             pairs = r.group.sampling_params.cross_attention_heads
-            if pairs is None or r.group.group.cross_attentions is not None:
+            if not r.group.want_cross_attentions:
                 continue
             count = self._whole_prompt(r, dec, i, "cross_attention_heads")
             heads: dict[int, list[int]] = {}
@@ -169,8 +166,7 @@ class ModelRunner:
     @staticmethod
     def _no_speech_probes(rows: list[StepRow], dec: TokenArrays) -> tuple[list[int], np.ndarray]:
         """Rows that asked for no_speech_prob, and the flat index of each one's probed prompt token."""
-        found = [(i, r.group.group.no_speech_position) for i, r in enumerate(rows)
-                 if r.group.group.no_speech_position is not None]
+        found = [(i, r.group.no_speech_position) for i, r in enumerate(rows) if r.group.no_speech_position is not None]
         indices = []
         for i, position in found:
             offset = position - int(dec.num_computed_tokens[i])
@@ -235,15 +231,17 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, metadata_list: list[SequenceGroupMetadata], is_prompt: bool) -> list[tuple[StepRow, StepResult]]:
-        """Run one step. Each row gets its samples (several for a request that forks into
-        best_of sequences at its first token) or, in beam search, its processed log-probs."""
-        rows = [StepRow(m, seq_id) for m in metadata_list for seq_id in m.seq_data]
-        inp = None
+    def execute(self, metadata_list: list[SequenceGroupMetadata], is_prompt: bool) -> StepOutput:
+        """Run one step. Each row gets its samples (several for a request that forks into best_of
+        sequences at its first token) or, in beam search, its processed log-probs; a prefill also
+        reports what its requests asked for (no-speech probability, prompt logprobs, attention).
+        A raise here fails the whole step; a failure of one row's own work is reported on it."""
+        rows = [StepRow(m, seq_id, g) for g, m in enumerate(metadata_list) for seq_id in m.seq_data]
+        prompt_outputs: dict[int, PromptOutputs] = {}
         if is_prompt:
             inp = self.prepare_prefill(rows)
             hidden = self._forward(inp)
-            self._record_prompt_outputs(rows, inp, hidden[len(rows) :])
+            prompt_outputs = self._prompt_outputs(rows, inp, hidden[len(rows) :])
         else:
             batch = self.decode_batch(rows)
             if self.graphs is not None and self.graphs.fits(batch):
@@ -254,19 +252,20 @@ class ModelRunner:
         # The probes get their own logits call: the sampled rows' matmul keeps its shape (and its bits).
         logits = self.model.compute_logits(hidden[: len(rows)])
         sampling = [self._sampling_row(r) for r in rows]
-        results: list[StepResult] = [None] * len(rows)
+        outputs = [RowOutput(r.group_index, r.seq_id) for r in rows]
         beam = [i for i, r in enumerate(rows) if r.group.sampling_params.use_beam_search]
         if beam:
-            log_probs = beam_log_probs(logits[beam], [sampling[i] for i in beam])
+            log_probs, errors = beam_log_probs(logits[beam], [sampling[i] for i in beam])
             for j, i in enumerate(beam):
-                results[i] = log_probs[j]
-        fanout = [(i, self._fanout(r, is_prompt)) for i, r in enumerate(rows) if results[i] is None]
-        if fanout:
-            idx = [i for i, k in fanout for _ in range(k)]
+                outputs[i].beam_log_probs, outputs[i].error = log_probs[j], errors.get(j)
+        sampled = [i for i, r in enumerate(rows) if not r.group.sampling_params.use_beam_search]
+        if sampled:
+            idx = [i for i in sampled for _ in range(rows[i].group.fanout)]
             samples = iter(self.sampler(logits[idx], [sampling[i] for i in idx]))
-            for i, k in fanout:
-                results[i] = [next(samples) for _ in range(k)]
-        return list(zip(rows, results))
+            for i in sampled:
+                outputs[i] = RowOutput(rows[i].group_index, rows[i].seq_id,
+                                       [next(samples) for _ in range(rows[i].group.fanout)])
+        return StepOutput(outputs, prompt_outputs)
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:  # [len(logits_indices), hidden]
         self.backend.plan(inp.metadata)
@@ -276,15 +275,25 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.metadata, encoder_hidden)
         return hidden[inp.logits_indices]
 
-    def _record_prompt_outputs(self, rows: list[StepRow], inp: ModelInput, extra_hidden: torch.Tensor) -> None:
+    def _prompt_outputs(self, rows: list[StepRow], inp: ModelInput,
+                        extra_hidden: torch.Tensor) -> dict[int, PromptOutputs]:
         """What a prefill reports besides its samples: no-speech probabilities, prompt logprobs and
-        captured cross-attention. The extra rows get their own logits call, so the sampled rows' matmul
-        keeps its shape (and its bits)."""
+        captured cross-attention, per group. The extra rows get their own logits call, so the sampled
+        rows' matmul keeps its shape (and its bits). One request's failure here is reported on it."""
+        reports: dict[int, PromptOutputs] = {}
+
+        def report(i: int, compute) -> None:
+            out = reports.setdefault(rows[i].group_index, PromptOutputs())
+            try:
+                compute(out)
+            except Exception as e:
+                out.error = f"{type(e).__name__}: {e}"
+
         for i, req in inp.captures:
-            rows[i].group.group.cross_attentions = inp.metadata.capture.result(
-                req, rows[i].group.sampling_params.cross_attention_heads)
+            heads = rows[i].group.sampling_params.cross_attention_heads
+            report(i, lambda out: setattr(out, "cross_attentions", inp.metadata.capture.result(req, heads)))
         if not inp.no_speech_rows and not inp.prompt_logprob_rows:
-            return
+            return reports
         logits = self.model.compute_logits(extra_hidden).float()
         probes, logits = logits[: len(inp.no_speech_rows)], logits[len(inp.no_speech_rows) :]
         if inp.no_speech_rows:
@@ -292,16 +301,18 @@ class ModelRunner:
             token_ids = [rows[i].group.sampling_params.no_speech_token_id for i in inp.no_speech_rows]
             probs = probes.log_softmax(dim=-1).gather(1, torch.tensor(token_ids, device=probes.device)[:, None])
             for i, prob in zip(inp.no_speech_rows, probs[:, 0].exp().tolist()):
-                rows[i].group.group.no_speech_prob = prob
+                report(i, lambda out: setattr(out, "no_speech_prob", prob))
         for i, count in inp.prompt_logprob_rows:  # the first prompt token has nothing to predict it: None
             row_logits, logits = logits[:count], logits[count:]
-            rows[i].group.group.prompt_logprobs = [None] + (self._prompt_logprobs(rows[i], row_logits) if count else [])
+            report(i, lambda out: setattr(out, "prompt_logprobs",
+                                          [None] + (self._prompt_logprobs(rows[i], row_logits) if count else [])))
+        return reports
 
     @staticmethod
     def _prompt_logprobs(row: StepRow, logits: torch.Tensor) -> list[dict[int, float]]:
         """vLLM's prompt_logprobs: each next prompt token's raw log-prob, plus the top-k; over
         allowed_token_ids when the request has them (a prompt token outside gets -inf)."""
-        allowed = row.group.sampling_params.allowed_token_ids
+        allowed = row.group.sampling.allowed
         if allowed is not None:  # the distribution over the tokens the request may generate
             keep = torch.full((logits.shape[-1],), float("-inf"), device=logits.device)
             keep[allowed] = 0.0
@@ -320,16 +331,6 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _fanout(row: StepRow, is_prompt: bool) -> int:
-        """A request with best_of > 1 runs one sequence through prefill, then forks at its first token."""
-        group = row.group.group
-        params = row.group.sampling_params
-        return params.best_of if is_prompt and len(group.seqs) == 1 and params.best_of > 1 else 1
-
-    def _sampling_row(self, row: StepRow) -> SamplingRow:
-        group, data = row.group.group, row.group.seq_data[row.seq_id]
-        params = row.group.sampling_params
-        if params.seed is not None and group.generator is None:
-            group.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        return SamplingRow(params, data.prompt_token_ids, data.output_token_ids, group.generator, self.eos_token_ids,
-                           group.max_len)
+    def _sampling_row(row: StepRow) -> SamplingRow:
+        m, data = row.group, row.group.seq_data[row.seq_id]
+        return SamplingRow(m.sampling_params, data.prompt_token_ids, data.output_token_ids, m.sampling, m.max_len)

@@ -1,0 +1,113 @@
+"""The server's OpenAPI document, describing the bodies it really takes and gives.
+
+FastAPI derives most of it from the pydantic models; this adds what it cannot see: the
+multipart upload of the audio endpoints (they parse their form themselves), every
+response's media types (JSON, plain text for text/srt/vtt, server-sent events when
+streaming), the OpenAI-shaped error bodies with the statuses each operation answers
+(400 instead of FastAPI's 422), and only the endpoints the loaded model serves.
+`tests/test_fuzz_server.py` runs schemathesis against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from encdec_engine.entrypoints import protocol as P
+
+_AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+_TEXT_PATHS = ("/v1/completions",)
+_ERRORS = {
+    400: "a field has a wrong type or value, the body cannot be parsed, or the engine rejects the prompt",
+    401: "the API key is missing or wrong (when the server has one)",
+    404: "an unknown model name, or an endpoint the loaded model does not serve",
+    413: "the body (or the audio) is over the server's limit",
+    429: "the server's queue is full; retry after Retry-After",
+    500: "an internal error; the body names a request id the server log has the traceback under",
+    503: "the engine is not running",
+}
+_POST_ERRORS = (400, 401, 404, 413, 429, 500, 503)
+_GET_ERRORS = (401, 404, 500)
+_TEXT = {"schema": {"type": "string"}}
+
+
+def install_openapi(app: FastAPI, audio: bool) -> None:
+    """Replace `app.openapi` with the described schema (built once, on first request)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            app.openapi_schema = describe(schema, audio)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def describe(schema: dict[str, Any], audio: bool) -> dict[str, Any]:
+    paths = schema["paths"]
+    for path in _TEXT_PATHS if audio else _AUDIO_PATHS:
+        paths.pop(path, None)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(_model_schemas(P.ErrorResponse, P.TranscriptionResponse, P.TranscriptionVerboseResponse))
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, operations in paths.items():
+        for method, op in operations.items():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)  # validation errors are 400s here, in OpenAI's shape
+            for status in _POST_ERRORS if method == "post" else _GET_ERRORS:
+                responses.setdefault(str(status), {"description": _ERRORS[status], "content": error})
+    if "/v1/completions" in paths:
+        ok = paths["/v1/completions"]["post"]["responses"]["200"]
+        ok["content"]["text/event-stream"] = _TEXT  # stream=true: `data: {chunk}` events, then `data: [DONE]`
+    for path in _AUDIO_PATHS:
+        if path in paths:
+            _describe_audio(paths[path]["post"], transcription=path.endswith("transcriptions"))
+    _describe_health_and_metrics(paths)
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    return schema
+
+
+def _model_schemas(*models) -> dict[str, Any]:
+    """The component schemas of pydantic models (and the models they use), with OpenAPI refs."""
+    out: dict[str, Any] = {}
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out
+
+
+def _describe_audio(op: dict[str, Any], transcription: bool) -> None:
+    """The multipart form the endpoint parses itself: the file plus the fields of its request model."""
+    model = P.TranscriptionRequest if transcription else P.TranslationRequest
+    fields = model.model_json_schema()
+    properties = {"file": {"type": "string", "format": "binary",
+                           "description": "the audio: any format ffmpeg or libsndfile reads"}}
+    for name, field in fields["properties"].items():
+        if name == "timestamp_granularities":  # sent as repeated `timestamp_granularities[]` parts
+            name = "timestamp_granularities[]"
+        properties[name] = field
+    op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "properties": properties, "required": ["file"], "additionalProperties": False}}}}
+    json_schema = {"anyOf": [{"$ref": "#/components/schemas/TranscriptionResponse"},
+                             {"$ref": "#/components/schemas/TranscriptionVerboseResponse"}]}
+    op["responses"]["200"] = {
+        "description": "json / verbose_json: the transcript; text, srt, vtt: the text; stream=true: "
+                       "transcript.text.delta events, then transcript.text.done",
+        "content": {"application/json": {"schema": json_schema}, "text/plain": _TEXT, "text/event-stream": _TEXT}}
+
+
+def _describe_health_and_metrics(paths: dict[str, Any]) -> None:
+    health = {"type": "object", "required": ["status"],
+              "properties": {"status": {"type": "string", "enum": ["ok", "unavailable"]},
+                             "reason": {"type": "string"}}}
+    if "/health" in paths:
+        paths["/health"]["get"]["responses"] = {
+            "200": {"description": "the engine thread runs", "content": {"application/json": {"schema": health}}},
+            "503": {"description": "the engine has stopped", "content": {"application/json": {"schema": health}}}}
+    if "/metrics" in paths:
+        responses = paths["/metrics"]["get"]["responses"]
+        responses["200"] = {"description": "Prometheus text format", "content": {"text/plain": _TEXT}}

@@ -1,0 +1,46 @@
+"""What one step of the model runner gives back: a result per row, applied by the engine request by request.
+
+The runner never writes into a request; it reports. A row whose own work failed
+(its logits processors, its prompt logprobs) carries an `error`, and only its
+request fails; the other rows' results are as if it had not been there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from encdec_engine.layers.sampler import SampleResult
+
+
+@dataclass
+class RowOutput:
+    """The result of one scheduled decoder sequence."""
+
+    group_index: int  # its group's index in the step's metadata list
+    seq_id: int
+    samples: list[SampleResult] = field(default_factory=list)  # best_of of them at a forking first token
+    beam_log_probs: torch.Tensor | None = None  # [vocab] processed log-probs, for beam search instead
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.error is None:
+            self.error = next((s.error for s in self.samples if s.error is not None), None)
+
+
+@dataclass
+class PromptOutputs:
+    """What a prefill reports for one request besides its samples (only what it asked for)."""
+
+    no_speech_prob: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    cross_attentions: Any = None  # torch.Tensor [pairs, prompt tokens, encoder positions]
+    error: str | None = None
+
+
+@dataclass
+class StepOutput:
+    rows: list[RowOutput]
+    prompt_outputs: dict[int, PromptOutputs] = field(default_factory=dict)  # group index -> its reports
