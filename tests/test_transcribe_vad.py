@@ -7,7 +7,7 @@ import difflib
 import jiwer
 import numpy as np
 import pytest
-from helpers import norm, record_requests
+from helpers import norm, record_adds, record_requests
 from vad_audio import CLIPS, Recording, fixtures, recording, silence
 
 from encdec_engine.speech.audio import SAMPLE_RATE
@@ -162,20 +162,7 @@ def test_sequential_vad_long_form_is_conditioned_and_skips_the_non_speech(tiny_e
 
 def test_vad_chunks_of_many_files_are_decoded_at_once(tiny_en, monkeypatch):
     """With chunked, the speech chunks (at most 30 s each) of every file start together."""
-    engine, added, finished = tiny_en.engine, [], []
-    add, step = engine.add_request, engine.step
-
-    def recording_add(request_id, *args):
-        added.append((request_id, len(finished)))  # how many requests had finished when it was added
-        return add(request_id, *args)
-
-    def recording_step():
-        outs = step()
-        finished.extend(o.request_id for o in outs if o.finished)
-        return outs
-
-    monkeypatch.setattr(engine, "add_request", recording_add)
-    monkeypatch.setattr(engine, "step", recording_step)
+    added = record_adds(tiny_en.engine, monkeypatch)  # (request_id, requests finished by then)
     long, short = long_recording(), recording(silence(5), "fox.wav", silence(4))
     results = tiny_en.transcribe([long.samples, short.samples], vad_filter=True, chunked=True, word_timestamps=True)
     monkeypatch.undo()
