@@ -236,6 +236,26 @@ class MissingOneToken:
         return getattr(self.tokenizer, name)
 
 
+def record_adds(engine, monkeypatch) -> list[tuple[str, int]]:
+    """(request_id, how many requests had finished by then) for every request added to the offline `engine`
+    from now until monkeypatch.undo(): which requests start together."""
+    added, finished = [], []
+    add, step = engine.add_request, engine.step
+
+    def recording_add(request_id, *args):
+        added.append((request_id, len(finished)))
+        return add(request_id, *args)
+
+    def recording_step():
+        outs = step()
+        finished.extend(o.request_id for o in outs if o.finished)
+        return outs
+
+    monkeypatch.setattr(engine, "add_request", recording_add)
+    monkeypatch.setattr(engine, "step", recording_step)
+    return added
+
+
 class BrokenOnOneToken:
     """A tokenizer that raises (TypeError) converting one token id; everything else is the wrapped tokenizer's.
     It stands for any fault in one request's output processing."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import jiwer
 import pytest
-from helpers import norm
+from helpers import norm, record_adds
 
 from encdec_engine.speech.hallucinations import cut_hallucinations, is_segment_anomaly, word_anomaly_score
 from encdec_engine.speech.options import TranscribeOptions
@@ -161,20 +161,7 @@ def test_quiet_cuts_fall_in_the_quietest_frames():
 
 
 def test_chunked_runs_the_chunks_of_one_file_at_once(tiny_en, monkeypatch):
-    engine, added, finished = tiny_en.engine, [], []
-    add, step = engine.add_request, engine.step
-
-    def recording_add(request_id, *args):
-        added.append((request_id, len(finished)))
-        return add(request_id, *args)
-
-    def recording_step():
-        outs = step()
-        finished.extend(o.request_id for o in outs if o.finished)
-        return outs
-
-    monkeypatch.setattr(engine, "add_request", recording_add)
-    monkeypatch.setattr(engine, "step", recording_step)
+    added = record_adds(tiny_en.engine, monkeypatch)  # (request_id, requests finished by then)
     chunked = tiny_en.transcribe(AUDIO / "long_meeting.flac", chunked=True, word_timestamps=True)[0]
     monkeypatch.undo()
     parts = sorted({rid.split("-")[3] for rid, _ in added})

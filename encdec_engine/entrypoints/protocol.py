@@ -7,6 +7,7 @@ does not validate gets a 400 naming the field, never a 500.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -320,6 +321,24 @@ class TranslationRequest(BaseModel):
         return options
 
 
+class ServerVadChunking(BaseModel):
+    """OpenAI's `chunking_strategy` object: Silero VAD finds the speech, which is decoded in chunks of at
+    most 30 s at once. Defaults: those OpenAI documents for its server_vad (its Realtime API)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["server_vad"]
+    threshold: float = Field(0.5, ge=0.0, le=1.0)  # speech probability at or above which a frame is speech
+    prefix_padding_ms: int = Field(300, ge=0)  # audio kept before (and after) the speech heard
+    silence_duration_ms: int = Field(500, ge=0)  # silence this long ends speech
+
+    @property
+    def vad_parameters(self) -> dict[str, float]:
+        """The fields under faster-whisper's names (TranscribeOptions.vad_parameters)."""
+        return {"threshold": self.threshold, "speech_pad_ms": self.prefix_padding_ms,
+                "min_silence_duration_ms": self.silence_duration_ms}
+
+
 class TranscriptionRequest(TranslationRequest):
     """The form fields of `POST /v1/audio/transcriptions`."""
 
@@ -328,8 +347,28 @@ class TranscriptionRequest(TranslationRequest):
     timestamp_granularities: list[Literal["segment", "word"]] = Field(default_factory=list, max_length=2)
     stream: bool = False
     # OpenAI's field: "auto" cuts audio over 30 s at its quietest moments and decodes the chunks at once
-    # (TranscribeOptions.chunked). Absent: windows one after another, each conditioned on the text before.
-    chunking_strategy: Literal["auto"] | None = None
+    # (TranscribeOptions.chunked); server_vad decodes only the speech Silero VAD finds, in chunks of at most
+    # 30 s at once (vad_filter and chunked). Absent: windows one after another, each conditioned on the text
+    # before. In a multipart form the object comes as chunking_strategy[type]=server_vad, ... (OpenAI's
+    # client) or as one JSON text.
+    chunking_strategy: Literal["auto"] | ServerVadChunking | None = None
+
+    @field_validator("chunking_strategy", mode="before")
+    @classmethod
+    def _chunking_object(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON ({e})") from None
+        if isinstance(value, dict):  # its own errors, named by field, instead of the union's
+            try:
+                return ServerVadChunking.model_validate(value)
+            except ValueError as e:
+                raise ValueError(describe_validation_errors(e.errors())[0]) from None
+        if value not in (None, "auto"):
+            raise ValueError(f'must be "auto" or an object with "type": "server_vad", got {value!r}')
+        return value
 
     @model_validator(mode="after")
     def _stream_formats(self) -> TranscriptionRequest:

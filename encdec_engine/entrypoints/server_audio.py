@@ -62,13 +62,15 @@ async def _audio_request(request: Request, task: str) -> Response:
             raise APIError(400, *P.describe_validation_errors(e.errors())) from None
         st.check_model(req.model)
         stream = getattr(req, "stream", False)
+        chunking = getattr(req, "chunking_strategy", None)  # "auto": quiet-point chunks; server_vad: Silero VAD
+        vad = chunking if isinstance(chunking, P.ServerVadChunking) else None
         # A stream decodes exactly as the non-streamed answer does (timestamps, fallback, silence skipping)
         # and sends each window's text once the window is final: nothing sent is ever taken back.
         try:  # an unknown language is refused by TranscribeOptions, one this checkpoint lacks by the Transcriber
             options = TranscribeOptions(language=getattr(req, "language", None), task=task,
                                         initial_prompt=req.prompt, temperatures=_fallback_temperatures(req.temperature),
-                                        word_timestamps=getattr(req, "words", False),
-                                        chunked=getattr(req, "chunking_strategy", None) == "auto",
+                                        word_timestamps=getattr(req, "words", False), chunked=chunking is not None,
+                                        vad_filter=vad is not None, vad_parameters=vad and vad.vad_parameters,
                                         **req.decoding_options())
         except ValueError as e:
             raise APIError(400, str(e), "language" if "language" in str(e) else None) from None
@@ -146,6 +148,11 @@ async def _read_form(request: Request) -> tuple[UploadFile, dict[str, Any]]:
             raise APIError(400, f"field {name!r} must be text, got a file (the audio goes in the 'file' field)", name)
         elif name == "timestamp_granularities":
             fields.setdefault(name, []).append(value)
+        elif name.startswith("chunking_strategy[") and name.endswith("]"):  # OpenAI's client: one part a field
+            inner = fields.setdefault("chunking_strategy", {})
+            if not isinstance(inner, dict) or name[18:-1] in inner:
+                raise APIError(400, f"field {name!r} is given more than once", "chunking_strategy")
+            inner[name[18:-1]] = value
         elif name in fields:
             raise APIError(400, f"field {name!r} is given more than once", name)
         elif value != "":

@@ -89,7 +89,7 @@ def _describe_audio(op: dict[str, Any], transcription: bool) -> None:
     for name, field in fields["properties"].items():
         if name == "timestamp_granularities":  # sent as repeated `timestamp_granularities[]` parts
             name = "timestamp_granularities[]"
-        properties[name] = field
+        properties[name] = _inline_defs(field, fields.get("$defs", {}))
     op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": {
         "type": "object", "properties": properties, "required": ["file"], "additionalProperties": False}}}}
     json_schema = {"anyOf": [{"$ref": "#/components/schemas/TranscriptionResponse"},
@@ -98,6 +98,20 @@ def _describe_audio(op: dict[str, Any], transcription: bool) -> None:
         "description": "json / verbose_json: the transcript; text, srt, vtt: the text; stream=true: "
                        "transcript.text.delta events, then transcript.text.done",
         "content": {"application/json": {"schema": json_schema}, "text/plain": _TEXT, "text/event-stream": _TEXT}}
+
+
+def _inline_defs(schema: Any, defs: dict[str, Any]) -> Any:
+    """`schema` with its `#/$defs/...` references (nested models: chunking_strategy's server_vad object)
+    replaced by the definitions, which have no place of their own in a form's schema. In a multipart form
+    such an object is sent as a JSON part (OpenAPI's default), which the endpoint reads."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inline_defs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline_defs(v, defs) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_inline_defs(v, defs) for v in schema]
+    return schema
 
 
 def _describe_health_and_metrics(paths: dict[str, Any]) -> None:

@@ -92,6 +92,24 @@ def add_transcribe_args(tr: argparse.ArgumentParser) -> None:
                      help="cut audio over 30 s at quiet points and decode the windows at once (faster; no window "
                           "sees an earlier one's text)")
 
+    vad = tr.add_argument_group("voice activity detection (Silero VAD, faster-whisper's parameters)")
+    vad.add_argument("--vad-filter", action="store_true",
+                     help="Silero VAD first: decode only the speech (with --chunked: chunks of at most 30 s of "
+                          "speech, at once); times stay on the audio's timeline")
+    vad.add_argument("--vad-threshold", type=float, default=None,
+                     help="speech probability at or above which a 32 ms frame is speech (default 0.5)")
+    vad.add_argument("--vad-neg-threshold", type=float, default=None,
+                     help="probability below which speech ends (default: threshold - 0.15)")
+    vad.add_argument("--vad-min-speech-duration-ms", type=int, default=None,
+                     help="drop speech shorter than this (default 0)")
+    vad.add_argument("--vad-max-speech-duration-s", type=float, default=None,
+                     help="split longer speech at its longest pause (default: no limit; with --chunked 30)")
+    vad.add_argument("--vad-min-silence-duration-ms", type=int, default=None,
+                     help="silence shorter than this does not end speech (default 2000; with --chunked and no "
+                          "--vad-* flag 160)")
+    vad.add_argument("--vad-speech-pad-ms", type=int, default=None,
+                     help="audio kept on each side of the speech (default 400)")
+
     words = tr.add_argument_group("word timestamps")
     words.add_argument("--word-timestamps", action="store_true",
                        help="time each word (cross-attention alignment); JSON output lists them per segment")
@@ -143,7 +161,23 @@ def transcribe_options(args: argparse.Namespace, temps: tuple[float, ...]) -> Tr
         hallucination_silence_threshold=args.hallucination_silence_threshold, chunked=args.chunked,
         prefix=args.prefix, hotwords=args.hotwords, prompt_reset_on_temperature=args.prompt_reset_on_temperature,
         max_new_tokens=args.max_new_tokens, repetition_penalty=args.repetition_penalty,
-        no_repeat_ngram_size=args.no_repeat_ngram_size)
+        no_repeat_ngram_size=args.no_repeat_ngram_size, **vad_options(args))
+
+
+# --vad-* flag -> faster-whisper's vad_parameters name (speech/vad.py VadOptions)
+VAD_FLAGS = {"vad_threshold": "threshold", "vad_neg_threshold": "neg_threshold",
+             "vad_min_speech_duration_ms": "min_speech_duration_ms", "vad_max_speech_duration_s": "max_speech_duration_s",
+             "vad_min_silence_duration_ms": "min_silence_duration_ms", "vad_speech_pad_ms": "speech_pad_ms"}
+
+
+def vad_options(args: argparse.Namespace) -> dict:
+    """--vad-filter and the --vad-* flags given as vad_filter and vad_parameters (flags left out keep
+    faster-whisper's defaults); a --vad-* flag without --vad-filter would change nothing, so it is refused."""
+    given = {name: getattr(args, flag) for flag, name in VAD_FLAGS.items() if getattr(args, flag) is not None}
+    if given and not args.vad_filter:
+        flags = ", ".join("--" + flag.replace("_", "-") for flag, name in VAD_FLAGS.items() if name in given)
+        raise ValueError(f"{flags} {'needs' if len(given) == 1 else 'need'} --vad-filter")
+    return {"vad_filter": args.vad_filter, "vad_parameters": given or None} if args.vad_filter else {}
 
 
 def _or_one(value: int | None) -> int:

@@ -120,16 +120,20 @@ class ResultAssembler:
             job.last_speech = speech_end(window.segments)
 
     def result(self, job: TranscriptionJob) -> Transcription:
-        """The input's transcript: its segments, or its chunks' segments in order (renumbered)."""
+        """The input's transcript: its segments, or its chunks' segments in order (renumbered), with
+        VAD mapped from the joined speech back onto the input's timeline."""
         if job.error is not None:
             return Transcription("", None, [], 0.0, job.source, error=job.error, index=job.index)
         if job.parts:
             job.segments = [seg for part in job.parts for seg in part.segments]
             for i, seg in enumerate(job.segments):
                 seg.id = i
-        text = "".join(s.text for s in job.segments)
-        return Transcription(text, job.language or "en", job.segments, round(job.duration, 3), job.source,
-                             index=job.index)
+        segments, duration = job.segments, job.duration
+        if job.speech is not None:  # copies: the job keeps the joined speech's times
+            segments = [seg for part in job.parts or [job] for seg in job.speech.restore(part.segments, part.part)]
+            duration = job.speech.duration
+        text = "".join(s.text for s in segments)
+        return Transcription(text, job.language or "en", segments, round(duration, 3), job.source, index=job.index)
 
 
 def clamp_words(segments: list[Segment], limit: float) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from encdec_engine.speech.audio import HOP_LENGTH, SAMPLE_RATE
 from encdec_engine.speech.results import Segment
+from encdec_engine.speech.timeline import SpeechTimeline
 
 
 @dataclass
@@ -35,7 +36,7 @@ class TranscriptionJob:
 
     index: int  # the input's position in the call
     source: str | None  # the file name, when the input was a file
-    samples: np.ndarray | None = None  # [num_samples] float32 mono at 16 kHz
+    samples: np.ndarray | None = None  # [num_samples] float32 mono at 16 kHz (VAD: its speech, joined)
     error: str | None = None  # why the input cannot be transcribed
     language: str | None = None  # None until detected (multilingual checkpoints without a language)
     mel: torch.Tensor | None = None  # log-mel [n_mels, frames]: the 30 s window, or (long-form) the recording
@@ -53,10 +54,11 @@ class TranscriptionJob:
     clip_index: int = 0
     part: int = 0  # chunked: which chunk of the input this job transcribes
     parts: list[TranscriptionJob] = field(default_factory=list)  # chunked: the input's chunk jobs, in order
+    speech: SpeechTimeline | None = None  # VAD: where the joined speech in `samples` lies in the input
 
     @property
     def duration(self) -> float:
-        """Seconds of audio."""
+        """Seconds of audio decoded (VAD: of speech)."""
         return 0.0 if self.samples is None else len(self.samples) / SAMPLE_RATE
 
     @property

@@ -102,7 +102,7 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f"max_in_flight must be at least 1 (or None: every input at once), got {max_in_flight}")
     transcriber = Transcriber(engine, options)
-    inputs = InputQueue(audio_inputs(audio), lambda pairs: [transcriber.load(i, x) for i, x in pairs])
+    inputs = InputQueue(audio_inputs(audio), transcriber.load_many)  # a group's VAD runs as one batch
     roots: dict[int, TranscriptionJob] = {}  # inputs read and not done
     queue: list[TranscriptionJob] = []
     running: Counter[int] = Counter()  # jobs of each input that are not done

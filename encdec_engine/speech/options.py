@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from encdec_engine.models.whisper_tokens import known_language_code
+from encdec_engine.speech.audio import CHUNK_LENGTH
+from encdec_engine.speech.vad_options import VadOptions
 
 # openai-whisper's word timestamps: these marks join the next word (prepend) or the previous one (append).
 PREPEND_PUNCTUATIONS = "\"'“¿([{-"
@@ -58,6 +60,12 @@ class TranscribeOptions:
     max_new_tokens: int | None = None  # tokens generated per window (None: up to the checkpoint's max_length)
     repetition_penalty: float = 1.0  # HF's: logits of tokens already in the decoder sequence shrink
     no_repeat_ngram_size: int = 0  # HF's: no n-gram of this size occurs twice in a window's decoder sequence
+    # Silero VAD first: only the speech is decoded, joined end to end, and times map back onto the audio
+    # (faster-whisper's vad_filter). With chunked, the speech is cut into chunks of at most 30 s instead.
+    vad_filter: bool = False
+    # VadOptions or a dict of its fields (faster-whisper's names). None: its defaults, or with chunked those
+    # of faster-whisper's batched pipeline (speech of at most 30 s, 160 ms of silence ends it).
+    vad_parameters: VadOptions | dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "best_of"):
@@ -77,6 +85,7 @@ class TranscribeOptions:
                                  f"got {threshold!r}")
             if not self.word_timestamps:
                 raise ValueError("hallucination_silence_threshold needs word_timestamps=True (it judges words)")
+        self._resolve_vad()
 
     def _check_openai_options(self) -> None:
         """openai-whisper's rules for its decoding options, and options that would change nothing refused."""
@@ -123,7 +132,23 @@ class TranscribeOptions:
     def openai_windows(self) -> bool:
         """Whether every input, even one of 30 s or less, takes the long-form path (openai-whisper's
         features and seeking): clips and hallucination skips move within the audio."""
-        return bool(self.clip_timestamps) or self.hallucination_silence_threshold is not None
+        return bool(self.clip_timestamps) or self.hallucination_silence_threshold is not None or self.vad_filter
+
+    def _resolve_vad(self) -> None:
+        """vad_parameters as VadOptions with faster-whisper's defaults (None without vad_filter)."""
+        if not self.vad_filter:
+            if self.vad_parameters is not None:
+                raise ValueError("vad_parameters need vad_filter=True")
+            return
+        if self.clip_timestamps:
+            raise ValueError("vad_filter and clip_timestamps cannot be combined: the VAD chooses what is transcribed")
+        if self.vad_parameters is None and self.chunked:
+            vad = VadOptions(max_speech_duration_s=CHUNK_LENGTH, min_silence_duration_ms=160)
+        else:
+            vad = VadOptions.of(self.vad_parameters)
+        if self.chunked and vad.max_speech_duration_s > CHUNK_LENGTH:  # a span must fit one window
+            vad = replace(vad, max_speech_duration_s=CHUNK_LENGTH)
+        object.__setattr__(self, "vad_parameters", vad)
 
 
 def _clip_timestamps(value) -> tuple[float, ...]:

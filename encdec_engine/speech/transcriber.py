@@ -57,6 +57,10 @@ class Transcriber:
         """Read one input (path, bytes, array, or (samples, rate)); a bad one gets `error` set."""
         return self.planner.load(index, item, self.language)
 
+    def load_many(self, pairs: list[tuple[int, object]]) -> list[TranscriptionJob]:
+        """Read (index, input) pairs at once: the VAD, when asked for, runs on all of them together."""
+        return self.planner.load_many(pairs, self.language)
+
     def start(self, job: TranscriptionJob) -> list[TranscriptionJob]:
         """The jobs of a loaded input that need a request first (none for a bad input, or one whose
         clips hold no audio)."""

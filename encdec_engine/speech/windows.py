@@ -6,6 +6,8 @@ openai-whisper's path: the log-mel of the whole recording (plus 30 s of silence)
 to 30 s from `seek`, each bounded by the current clip. After a window is taken, `seek` is where its
 text ended (the assembler moves it) and the planner moves it into the next clip with audio left.
 Chunked inputs are cut at their quietest moments into spans that run as jobs of their own at once.
+With a VAD, only the speech is kept (timeline.py): the job's audio is its speech joined end to end,
+decoded as one long-form input, or (chunked) as chunks of at most 30 s of speech, at once.
 
     clips     |--------------- clip 0 ---------------|        |------ clip 1 ------|
     window 0  [=========== 30 s ===========]
@@ -16,16 +18,19 @@ Chunked inputs are cut at their quietest moments into spans that run as jobs of 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from encdec_engine.speech.audio import FRAMES_PER_SECOND, N_FRAMES, N_SAMPLES, audio_samples
+from encdec_engine.speech.audio import FRAMES_PER_SECOND, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
 from encdec_engine.speech.chunking import frame_loudness, quiet_cuts
 from encdec_engine.speech.features import log_mel_spectrogram, long_log_mel_spectrogram
 from encdec_engine.speech.job import TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.timeline import SpeechTimeline
+from encdec_engine.speech.vad import shared_vad
 
 
 class WindowPlanner:
@@ -38,21 +43,46 @@ class WindowPlanner:
     def load(self, index: int, item, language: str | None) -> TranscriptionJob:
         """Read one input (path, bytes, array, or (samples, rate)) and plan its windows; a bad one
         gets `error` set."""
+        return self.load_many([(index, item)], language)[0]
+
+    def load_many(self, items: Sequence[tuple[int, object]], language: str | None) -> list[TranscriptionJob]:
+        """Read (index, input) pairs and plan their windows; the VAD runs on all of them at once."""
+        jobs = [self._read(index, item, language) for index, item in items]
+        readable = [job for job in jobs if job.error is None]
+        vad = self.options.vad_parameters
+        if vad is not None and readable:
+            max_chunk = N_SAMPLES if self.options.chunked else None
+            pad = round(vad.speech_pad_ms * SAMPLE_RATE / 1000)
+            for job, spans in zip(readable, shared_vad().speech_spans([job.samples for job in readable], vad)):
+                job.speech = SpeechTimeline.of(spans, len(job.samples), pad, max_chunk)
+                job.samples = job.speech.join(job.samples)
+        for job in readable:
+            self._plan(job)
+        return jobs
+
+    @staticmethod
+    def _read(index: int, item, language: str | None) -> TranscriptionJob:
         source = str(item) if isinstance(item, (str, Path)) else None
         job = TranscriptionJob(index, source, language=language)
         try:
             job.samples = audio_samples(item)
         except ValueError as e:  # AudioError included
             job.error = str(e)
-            return job
-        job.long_form = len(job.samples) > N_SAMPLES or self.options.openai_windows
-        job.mel = self._log_mel(job)
-        job.clips = self._clips(job)
-        if self.options.chunked and job.long_form:
-            loudness = frame_loudness(job.mel)
-            job.clips = [span for clip in job.clips for span in quiet_cuts(loudness, *clip)]
-        self.advance(job)
         return job
+
+    def _plan(self, job: TranscriptionJob) -> None:
+        job.long_form = len(job.samples) > N_SAMPLES or self.options.openai_windows
+        if job.speech is not None and not job.speech.spans:
+            return  # no speech: no clips, so the job is done without a window
+        job.mel = self._log_mel(job)
+        if job.speech is not None:
+            job.clips = job.speech.chunk_frames()  # one chunk of all the speech, unless chunked
+        else:
+            job.clips = self._clips(job)
+            if self.options.chunked and job.long_form:
+                loudness = frame_loudness(job.mel)
+                job.clips = [span for clip in job.clips for span in quiet_cuts(loudness, *clip)]
+        self.advance(job)
 
     def split(self, job: TranscriptionJob) -> list[TranscriptionJob]:
         """Chunked: one job per chunk (sharing the audio and log-mel), to run at once, kept in

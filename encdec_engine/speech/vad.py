@@ -1,0 +1,119 @@
+"""Voice activity detection with Silero VAD (the `silero-vad` package ships its model), batched.
+
+Silero VAD reads 16 kHz audio in 32 ms frames (512 samples, plus the 64 samples before them as
+context). Its network is a stateless front (an STFT and four convolutions) and a recurrent tail
+(one LSTM cell whose state runs through the recording, then a linear head). `get_speech_timestamps`
+calls the whole network once per frame in a Python loop. Here the front runs on the frames of
+many recordings at once, and the tail is one `nn.LSTM` over each recording's frames, with a row
+per recording and its state carried from one window of frames to the next:
+
+    recording 0  [f0 f1 ... f1023][f1024 ... f2047][f2048 ... f2200]
+    recording 1  [f0 f1 ... f1023][f1024 ... f1500]
+                  \_ one window: the front on every row's frames at once, then the LSTM over them
+
+The probabilities equal the frame loop's (to float rounding), and silero's own
+`get_speech_timestamps_from_probs` turns them into speech spans, so the spans are the package's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from encdec_engine.speech.audio import SAMPLE_RATE
+from encdec_engine.speech.vad_options import VadOptions
+
+FRAME_SAMPLES = 512  # samples per Silero frame at 16 kHz (32 ms)
+CONTEXT_SAMPLES = 64  # samples of the frame before, prepended to each frame
+WINDOW_FRAMES = 1024  # frames per recording and step (33 s): the LSTM's state is carried between steps
+MAX_STREAMS = 8  # recordings per step: at most 8 x 1024 frames through the front at once (~80 MB)
+
+
+def _load_silero():
+    """The silero_vad module and its TorchScript model (shipped in the package: no download)."""
+    threads = torch.get_num_threads()
+    try:
+        import silero_vad
+    except ImportError as e:
+        raise ImportError("vad_filter needs the silero-vad package: pip install silero-vad") from e
+    finally:
+        torch.set_num_threads(threads)  # importing silero_vad sets one thread for the whole process
+    return silero_vad, silero_vad.load_silero_vad()
+
+
+class SileroVad:
+    """Silero VAD over many recordings at once: per-frame speech probabilities, and speech spans."""
+
+    def __init__(self) -> None:
+        module, jit = _load_silero()
+        net = jit._model  # the 16 kHz network; its stateful wrapper (jit.forward) is not used
+        self._front = lambda frames: net.encoder(net.run_extractors(frames))  # [n, 576] -> [n, 128, 1]
+        cell = net.decoder.rnn
+        hidden = cell.weight_hh.shape[1]
+        self._lstm = torch.nn.LSTM(hidden, hidden, batch_first=True).eval()
+        with torch.no_grad():
+            for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                getattr(self._lstm, f"{name}_l0").copy_(getattr(cell, name))
+        self._head = net.decoder.decoder  # ReLU, 1x1 conv, sigmoid: [n, 128, 1] -> [n, 1, 1]
+        self._spans_from_probs = module.get_speech_timestamps_from_probs
+
+    @torch.inference_mode()
+    def speech_probs(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """[num_frames] speech probability of every 32 ms frame of each [num_samples] 16 kHz recording
+        (the last frame zero-padded), as silero's frame loop gives them."""
+        frames = [_frames(a) for a in audios]
+        probs = [np.zeros(0, dtype=np.float32) for _ in audios]
+        order = sorted(range(len(audios)), key=lambda i: -len(frames[i]))  # longest first: live rows are a prefix
+        for g in range(0, len(order), MAX_STREAMS):
+            group = [i for i in order[g : g + MAX_STREAMS] if len(frames[i])]
+            pieces: dict[int, list[torch.Tensor]] = {i: [] for i in group}
+            state = None
+            for start in range(0, len(frames[group[0]]) if group else 0, WINDOW_FRAMES):
+                live = [i for i in group if len(frames[i]) > start]
+                lengths = [min(WINDOW_FRAMES, len(frames[i]) - start) for i in live]
+                front = self._front(torch.cat([frames[i][start : start + n] for i, n in zip(live, lengths)]))
+                rows = torch.nn.utils.rnn.pad_sequence(front.squeeze(-1).split(lengths), batch_first=True)
+                packed = torch.nn.utils.rnn.pack_padded_sequence(rows, lengths, batch_first=True)
+                if state is not None:
+                    state = tuple(s[:, : len(live)] for s in state)  # rows whose recording ended drop out
+                out, state = self._lstm(packed, state)
+                hidden, _ = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)  # [live, frames, 128]
+                for row, (i, n) in enumerate(zip(live, lengths)):
+                    pieces[i].append(self._head(hidden[row, :n].unsqueeze(-1)).flatten())
+            for i in group:
+                probs[i] = torch.cat(pieces[i]).numpy()
+        return probs
+
+    def speech_spans(self, audios: Sequence[np.ndarray], options: VadOptions) -> list[list[tuple[int, int]]]:
+        """[(start, end)] sample spans of speech in each recording: silero's `get_speech_timestamps`
+        with these options."""
+        spans = []
+        for audio, probs in zip(audios, self.speech_probs(audios)):
+            found = self._spans_from_probs(
+                probs.tolist(), sampling_rate=SAMPLE_RATE, threshold=options.threshold,
+                neg_threshold=options.neg_threshold, min_speech_duration_ms=options.min_speech_duration_ms,
+                max_speech_duration_s=options.max_speech_duration_s,
+                min_silence_duration_ms=options.min_silence_duration_ms, speech_pad_ms=options.speech_pad_ms,
+                audio_length_samples=len(audio))
+            spans.append([(int(s["start"]), int(s["end"])) for s in found])
+        return spans
+
+
+@functools.lru_cache(maxsize=1)
+def shared_vad() -> SileroVad:
+    """The process's SileroVad, its model loaded on first use (the model holds no per-call state)."""
+    return SileroVad()
+
+
+def _frames(audio: np.ndarray) -> torch.Tensor:
+    """[num_frames, CONTEXT_SAMPLES + FRAME_SAMPLES] frames of a [num_samples] recording, each after the
+    last samples of the frame before (zeros before the first); a view of one padded copy."""
+    num_frames = -(-len(audio) // FRAME_SAMPLES)
+    if num_frames == 0:
+        return torch.zeros(0, CONTEXT_SAMPLES + FRAME_SAMPLES)
+    padded = torch.zeros(CONTEXT_SAMPLES + num_frames * FRAME_SAMPLES)
+    padded[CONTEXT_SAMPLES : CONTEXT_SAMPLES + len(audio)] = torch.from_numpy(np.asarray(audio, dtype=np.float32))
+    return padded.unfold(0, CONTEXT_SAMPLES + FRAME_SAMPLES, FRAME_SAMPLES)

