@@ -254,3 +254,21 @@ def test_every_command_takes_the_int8_flags():
     assert _engine_kwargs(parse(["serve", "--compute-type", "float32"]))["quantization"] is None
     with pytest.raises(ValueError, match="contradicts"):
         _engine_kwargs(parse(["serve", "--quantization", "int8", "--compute-type", "float32"]))
+
+
+def test_the_fp32_kernel_can_be_pinned_for_every_process(monkeypatch):
+    """ENCDEC_CPU_LINEAR pins the fp32 kernel without calibrating (server replicas and Ray workers then sum
+    in one order); a value it does not know is an error naming it."""
+    from encdec_engine.layers import cpu_kernels
+
+    for value, kernel in (("mkl", "mkl"), ("default", "onednn" if cpu_kernels.is_avx512(
+            torch.backends.cpu.get_cpu_capability()) and cpu_kernels.onednn_packing_available() else "mkl")):
+        monkeypatch.setenv("ENCDEC_CPU_LINEAR", value)
+        cpu_kernels.machine_plan.cache_clear()
+        plan = cpu_kernels.machine_plan(False)
+        assert plan.fp32 == kernel and not plan.timings
+    monkeypatch.setenv("ENCDEC_CPU_LINEAR", "fastest")
+    cpu_kernels.machine_plan.cache_clear()
+    with pytest.raises(ValueError, match="ENCDEC_CPU_LINEAR='fastest'"):
+        cpu_kernels.machine_plan(False)
+    cpu_kernels.machine_plan.cache_clear()

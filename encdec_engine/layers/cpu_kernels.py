@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -141,8 +142,19 @@ def machine_plan(int8: bool) -> CpuLinearPlan:
                             tuple(p for p in PROBES if p[0] in _INT8_DECODE_PROBES)) if is_avx512(capability) else {}
         plan = CpuLinearPlan(capability, "mkl", choose_int8_decode(capability, timings), timings)
     else:
-        timings = calibrate({"mkl": _plain, "onednn": PackedWeight}) if onednn else {}
-        plan = CpuLinearPlan(capability, choose_fp32(capability, onednn, timings), None, timings)
+        pinned = os.environ.get("ENCDEC_CPU_LINEAR", "").lower()  # the same kernel in every process
+        if pinned not in ("", "default", "mkl", "onednn"):
+            raise ValueError(f"ENCDEC_CPU_LINEAR={pinned!r}: use default, mkl or onednn")
+        timings = calibrate({"mkl": _plain, "onednn": PackedWeight}) if onednn and not pinned else {}
+        if not pinned:
+            kernel = choose_fp32(capability, onednn, timings)
+        elif pinned == "default":  # the capability's default, uncalibrated
+            kernel = "onednn" if onednn and is_avx512(capability) else "mkl"
+        else:
+            kernel = pinned
+        if kernel == "onednn" and not onednn:
+            raise ValueError("ENCDEC_CPU_LINEAR=onednn: this torch build cannot pack weights for oneDNN")
+        plan = CpuLinearPlan(capability, kernel, None, timings)
     logger.info("%s", plan.describe())
     return plan
 
