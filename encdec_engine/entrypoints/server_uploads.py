@@ -18,7 +18,7 @@ import numpy as np
 
 from encdec_engine.entrypoints.server_errors import APIError
 from encdec_engine.speech.audio import (AUDIO_EXTENSIONS, N_SAMPLES, SAMPLE_RATE, AudioError, AudioTooLong, load_audio,
-                                        load_audio_bytes)
+                                        load_audio_bytes, read_header)
 from encdec_engine.speech.job import TranscriptionJob
 
 # Containers libsndfile cannot read from memory; probed and decoded through a temporary file and ffmpeg.
@@ -104,16 +104,13 @@ class UploadedAudio:
                                 f"{e}", "file") from None
 
     def _probe_soundfile(self) -> Probe | None:
-        import soundfile
-
         buffer = io.BytesIO(self.data)
         buffer.name = self.name
-        try:
-            info = soundfile.info(buffer)
-        except Exception:  # not a format libsndfile knows; decoding says what is wrong
+        header = read_header(buffer)
+        if header is None:  # not a format libsndfile knows; decoding says what is wrong
             return None
-        seconds = info.frames / info.samplerate if info.samplerate > 0 and info.frames > 0 else None
-        return Probe(seconds, info.samplerate or None, info.channels or None)
+        seconds, rate, channels = header
+        return Probe(seconds, rate or None, channels or None)
 
     def _probe_ffmpeg(self) -> Probe | None:
         import audioread

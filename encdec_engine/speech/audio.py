@@ -117,6 +117,20 @@ def _decode_audioread(path: str, max_seconds: float | None) -> tuple[np.ndarray,
     return data.T, int(rate)
 
 
+def read_header(source: AudioSource) -> tuple[float | None, int, int] | None:
+    """(seconds, sample rate, channels) from a file's header, as libsndfile reads it, without decoding;
+    None when libsndfile does not know the file (or it is missing). Seconds is None when the header
+    gives no length."""
+    import soundfile
+
+    try:
+        info = soundfile.info(source)
+    except Exception:  # libsndfile raises several types for what it cannot read
+        return None
+    seconds = info.frames / info.samplerate if info.samplerate > 0 and info.frames > 0 else None
+    return seconds, info.samplerate, info.channels
+
+
 def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE, max_seconds: float | None = None) -> np.ndarray:
     """Decode an audio file (path or binary file object) to float32 mono at ``sr`` Hz.
 

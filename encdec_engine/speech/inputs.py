@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from encdec_engine.speech.audio import SAMPLE_RATE
+from encdec_engine.speech.audio import SAMPLE_RATE, read_header
 from encdec_engine.speech.job import TranscriptionJob
 
 LOADED_SECONDS = 1800.0  # audio held at once, in seconds (about 170 MB); at least one input whatever its length
@@ -32,13 +32,8 @@ def probe_seconds(item) -> float | None:
     source = io.BytesIO(item) if isinstance(item, (bytes, bytearray)) else item
     if not isinstance(source, (str, os.PathLike, io.BytesIO)):
         return None
-    try:
-        import soundfile
-
-        info = soundfile.info(source)
-        return info.frames / info.samplerate if info.samplerate > 0 and info.frames > 0 else None
-    except Exception:
-        return None
+    header = read_header(source)
+    return None if header is None else header[0]
 
 
 class InputQueue:
