@@ -66,8 +66,9 @@ def test_vad_keeps_words_and_segments_on_the_speech(runs, mode):
 
 @pytest.mark.parametrize("mode", [pytest.param("sequential", marks=pytest.mark.slow), "chunked"])
 def test_vad_segments_without_words_stay_off_the_non_speech(runs, mode):
-    """Without word timestamps a segment's times are Whisper's timestamp tokens, mapped back; none
-    stretches over the removed non-speech."""
+    """Without word timestamps the segments are still placed by their words (aligned, then left out of
+    the result): Whisper's timestamp tokens start a window's first segment at its start, which on the
+    babble recording is noise the VAD heard as speech 0.53 s before the utterance."""
     recs, run = runs
     worst = {}
     for (name, rec), result in zip(recs.items(), run(mode, words=False)):
@@ -75,7 +76,19 @@ def test_vad_segments_without_words_stay_off_the_non_speech(runs, mode):
         worst[name] = max(overrun(s.start, s.end, rec) for s in result.segments)
         assert all(a.end <= b.start for a, b in zip(result.segments, result.segments[1:]))
     print(f"{mode}, no words: the farthest a segment runs past its speech: {worst}")
-    assert max(worst.values()) <= 0.6, worst
+    assert max(worst.values()) <= TOLERANCE + STEP, worst
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_streamed_vad_segments_are_on_the_recording_timeline(tiny_en, mode):
+    """transcribe_segments hands out the same segments as transcribe: times mapped back onto the
+    recording, not those of the joined speech."""
+    rec = fixtures()["silence10"]
+    whole = tiny_en.transcribe(rec.samples, **MODES[mode])[0].segments
+    streamed = list(tiny_en.transcribe_segments(rec.samples, **MODES[mode]))
+    assert [(s.id, s.start, s.end, s.text, s.words) for s in streamed] == \
+        [(s.id, s.start, s.end, s.text, s.words) for s in whole]
+    assert streamed[-1].start > 10.0  # after the 10 s of silence
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -153,10 +166,11 @@ def test_sequential_vad_long_form_is_conditioned_and_skips_the_non_speech(tiny_e
     added = record_requests(tiny_en.engine, monkeypatch)
     result = tiny_en.transcribe(rec.samples, vad_filter=True)[0]
     monkeypatch.undo()
-    decodes = [prompt["decoder_prompt"]["prompt_token_ids"] for _, prompt, _ in added]
+    decodes = [prompt["decoder_prompt"]["prompt_token_ids"] for _, prompt, params in added
+               if params.prompt_logprobs is None]  # not the requests that align a window's words
     assert len(decodes) >= 2 and decodes[0][0] != decodes[1][0]  # the second window starts with <|startofprev|>
     assert jiwer.wer(norm(rec.text), norm(result.text)) <= 0.15, result.text
-    assert max(overrun(s.start, s.end, rec) for s in result.segments) <= 0.6
+    assert max(overrun(s.start, s.end, rec) for s in result.segments) <= TOLERANCE + STEP
     assert result.segments[-1].end > rec.speech[-1][0]
 
 

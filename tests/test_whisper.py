@@ -86,6 +86,8 @@ def test_long_form_transcribes_to_the_end(beam_size, tiny_en, monkeypatch):
     monkeypatch.undo()
     prompts = [prompt["decoder_prompt"]["prompt_token_ids"] for _, prompt, _ in added]
     assert result.duration > 60
+    # openai-whisper's sample_len: a long-form window decodes at most half the decoder's 448 positions.
+    assert {params.max_tokens for _, _, params in added} == {224}
     # As openai-whisper: a window is conditioned on the tokens of the segments kept so far, nothing else.
     kept, ends = [], {0}
     for seg in result.segments:
@@ -222,6 +224,15 @@ def test_nan_samples_are_an_input_error_not_a_crash(tiny_en):
     results = tiny_en.transcribe([bad, AUDIO / "stella.wav"], **EXACT)
     assert "16000 NaN or infinite samples" in results[0].error and results[1].error is None
     assert results[1].text.strip()
+
+
+def test_a_short_input_keeps_hf_generates_max_length(tiny_en, monkeypatch):
+    """Up to 30 s, HF's rule: the checkpoint's max_length (448) less the decoder prompt."""
+    added = record_requests(tiny_en.engine, monkeypatch)
+    tiny_en.transcribe(AUDIO / "weather.wav")
+    monkeypatch.undo()
+    (_, prompt, params), = added
+    assert params.max_tokens == 448 - len(prompt["decoder_prompt"]["prompt_token_ids"])
 
 
 def test_english_only_checkpoint_decodes_each_window_once(tiny_en):

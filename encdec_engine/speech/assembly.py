@@ -4,6 +4,7 @@ cut, the segments kept committed to the job, and the job (or its chunks, in orde
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens
@@ -92,7 +93,8 @@ class ResultAssembler:
                             self.options.prepend_punctuations, self.options.append_punctuations)
         clamp_words(window.segments, self.end_of_audio(job))
         end = last_word_end(window.segments)
-        if job.long_form and not window.single_ending and end is not None and end > window.offset:
+        if (self.options.word_timestamps and job.long_form and not window.single_ending and end is not None
+                and end > window.offset):
             window.seek = round(end * FRAMES_PER_SECOND)  # openai-whisper: seek to the last word's end
         threshold = self.options.hallucination_silence_threshold
         if threshold is not None:
@@ -116,7 +118,7 @@ class ResultAssembler:
                 job.segments.append(seg)
                 job.tokens.extend(seg.tokens)
         job.seek = window.seek
-        if self.options.word_timestamps and window.segments:  # the last speech: its last word, or segment
+        if self.options.aligns_words and window.segments:  # the last speech: its last word, or segment
             job.last_speech = speech_end(window.segments)
 
     def result(self, job: TranscriptionJob) -> Transcription:
@@ -128,12 +130,21 @@ class ResultAssembler:
             job.segments = [seg for part in job.parts for seg in part.segments]
             for i, seg in enumerate(job.segments):
                 seg.id = i
-        segments, duration = job.segments, job.duration
-        if job.speech is not None:  # copies: the job keeps the joined speech's times
-            segments = [seg for part in job.parts or [job] for seg in job.speech.restore(part.segments, part.part)]
-            duration = job.speech.duration
+        segments = [seg for part in job.parts or [job] for seg in self.on_timeline(job, part.part, part.segments)]
+        duration = job.duration if job.speech is None else job.speech.duration
         text = "".join(s.text for s in segments)
         return Transcription(text, job.language or "en", segments, round(duration, 3), job.source, index=job.index)
+
+    def on_timeline(self, job: TranscriptionJob, part: int, segments: list[Segment]) -> list[Segment]:
+        """Segments of the input's job (or of its chunk `part`) as the caller sees them: with VAD, copies
+        mapped from the joined speech back onto the input's timeline (the job keeps the joined times),
+        without the words unless they were asked for (they only placed the segments on the speech)."""
+        if job.speech is None:
+            return segments
+        restored = job.speech.restore(segments, part)
+        if self.options.word_timestamps:
+            return restored
+        return [dataclasses.replace(seg, words=None) for seg in restored]
 
 
 def clamp_words(segments: list[Segment], limit: float) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
+from encdec_engine.speech.assembly import ResultAssembler
 from encdec_engine.speech.audio import FRAMES_PER_SECOND, audio_inputs
 from encdec_engine.speech.inputs import InputQueue
 from encdec_engine.speech.job import TranscriptionJob
@@ -67,18 +68,19 @@ class _SegmentFeed:
     """Hands out each input's final segments once: every committed segment of a job is final; a
     chunked input's are final up to its first chunk still running (chunks finish in any order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, assembler: ResultAssembler) -> None:
+        self.assembler = assembler
         self.sent: Counter[int] = Counter()  # segments handed out, per input
         self.finished: set[TranscriptionJob] = set()  # jobs and chunk jobs with no request left
 
     def new(self, job: TranscriptionJob) -> list[Segment]:
-        final = job.segments
+        final = self.assembler.on_timeline(job, 0, job.segments)
         if job.parts:
             final = []
             for part in job.parts:
                 if part not in self.finished:
                     break
-                final += part.segments
+                final += self.assembler.on_timeline(job, part.part, part.segments)
         fresh = final[self.sent[job.index]:]
         for i, seg in enumerate(fresh, start=self.sent[job.index]):
             seg.id = i  # a chunk numbers its own segments; the input's numbering is known only here
@@ -107,7 +109,7 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
     queue: list[TranscriptionJob] = []
     running: Counter[int] = Counter()  # jobs of each input that are not done
     in_flight: dict[str, TranscriptionJob] = {}
-    feed = _SegmentFeed()
+    feed = _SegmentFeed(transcriber.assembler)
     progress = _Progress(inputs.known_seconds, len(inputs.items), use_tqdm)
 
     def submit(job: TranscriptionJob) -> None:

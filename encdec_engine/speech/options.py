@@ -128,6 +128,13 @@ class TranscribeOptions:
                 raise ValueError(f"{name} must be text, got {type(value).__name__}")
 
     @property
+    def aligns_words(self) -> bool:
+        """Whether decoded windows get their words aligned: asked for, or with VAD and timed segments, where
+        the words place each segment on the speech (Whisper starts a window's first segment at its start,
+        which after VAD may be noise the VAD heard as speech); the words are then left out of the result."""
+        return self.word_timestamps or (self.vad_filter and self.timestamps)
+
+    @property
     def openai_windows(self) -> bool:
         """Whether every input, even one of 30 s or less, takes the long-form path (openai-whisper's
         features and seeking): clips and hallucination skips move within the audio."""

@@ -105,20 +105,24 @@ class WindowRequests:
         return SamplingParams(
             temperature=temperature, n=fanout, best_of=fanout, num_beams=beams,
             seed=options.seed + 1000 * job.index + job.window + 1_000_000 * job.part if sampled else None,
-            max_tokens=self._max_tokens(prompt_len), logprobs=0 if beams == 1 else None, skip_special_tokens=True,
+            max_tokens=self._max_tokens(prompt_len, job.long_form), logprobs=0 if beams == 1 else None, skip_special_tokens=True,
             no_speech_token_id=self.tokens.no_speech,
             suppress_tokens=self.suppress, begin_suppress_tokens=self.begin_suppress,
             repetition_penalty=options.repetition_penalty, no_repeat_ngram_size=options.no_repeat_ngram_size,
             logits_processors=rules,
         )
 
-    def _max_tokens(self, prompt_len: int) -> int:
+    def _max_tokens(self, prompt_len: int, long_form: bool) -> int:
         """max_new_tokens, or HF's rule: the checkpoint's max_length counts new tokens plus (up to half
-        the context of) the prompt; either way within the decoder's positions."""
+        the context of) the prompt; either way within the decoder's positions. A long-form window
+        (openai-whisper's path) also stops at half the decoder's positions, openai-whisper's sample_len
+        (224 on Whisper): a window that loops or hallucinates costs half the steps, and one of real
+        speech never comes near it."""
         limit = self.max_decoder_len
         if self.options.max_new_tokens is not None:
             return max(1, min(self.options.max_new_tokens, limit - prompt_len))
-        return max(1, min(self.max_length + min(limit // 2 - 1, prompt_len), limit) - prompt_len)
+        hf = min(self.max_length + min(limit // 2 - 1, prompt_len), limit) - prompt_len
+        return max(1, min(hf, limit // 2) if long_form else hf)
 
 
 def suppressed_tokens(requested: tuple[int, ...], checkpoint: list[int] | None, tokens: WhisperTokens) -> list[int]:

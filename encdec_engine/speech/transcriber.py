@@ -108,7 +108,7 @@ class Transcriber:
             return self.planner.skip_window(job)
         window = self.assembler.decoded_window(job, forced + chosen.tokens, self.planner.window_frames(job),
                                                temperature, quality)
-        if self.options.word_timestamps:
+        if self.options.aligns_words:
             if self.requests.can_align(job, window):
                 job.pending = window  # the next request aligns its words
                 return True
