@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -65,8 +66,10 @@ class StepTimers:
             self.totals[category] = 0.0
             for fn in functions:
                 owner = _owner(fn)
-                self._saved.append((owner, fn.__name__, fn))
-                setattr(owner, fn.__name__, self._timed(category, fn))
+                raw = inspect.getattr_static(owner, fn.__name__)  # a staticmethod stays one
+                self._saved.append((owner, fn.__name__, raw))
+                timed = self._timed(category, fn)
+                setattr(owner, fn.__name__, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -128,6 +128,39 @@ def test_long_contexts_read_in_place_when_contiguous(contiguous, dtype):
         torch.testing.assert_close(out[i : i + 1].float(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("num_kv_heads", [H, 2])
+def test_sequences_sharing_a_context_read_it_once_and_get_their_own_attention(num_kv_heads, monkeypatch):
+    """The beams (or best_of samples) of a request share its cross cache: one matmul over their stacked
+    queries, whose rows equal each sequence's attention alone."""
+    from encdec_engine.attention.backends.torch_sdpa import _SlicePlan
+
+    torch.manual_seed(5)
+    length = 300
+    table = list(range(1, 1 + -(-length // BS)))
+    cache = torch.zeros(2, 2 + len(table), BS, num_kv_heads, D)
+    k, v = torch.randn(length, num_kv_heads, D), torch.randn(length, num_kv_heads, D)
+    pos = np.arange(length)
+    store_kv(k, v, cache, torch.tensor(np.array(table)[pos // BS] * BS + pos % BS))
+    shared = make_view([1] * 4, [length] * 4, False, block_tables=torch.tensor([table] * 4))
+    backend = TorchSDPABackend(BS)
+    backend.plan(AttentionMetadata(decoder=None, cross=shared))
+    assert isinstance(shared.plan, _SlicePlan) and len(set(shared.plan.starts)) == 1
+    q = torch.randn(4, H, D)
+    calls = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: calls.append(a.shape) or real_bmm(a, b))
+    out = backend.forward(q, None, None, cache, shared, SCALE)
+    monkeypatch.undo()
+    assert len(calls) == 2  # scores and values, once for all four sequences
+    for i in range(4):
+        ref = naive(q[i : i + 1], k, v, torch.zeros(1, length), num_kv_heads)
+        torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+        alone = make_view([1], [length], False, block_tables=torch.tensor([table]))
+        backend.plan(AttentionMetadata(decoder=None, cross=alone))
+        torch.testing.assert_close(out[i : i + 1], backend.forward(q[i : i + 1], None, None, cache, alone, SCALE),
+                                   rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_uniform_segments_take_the_reshape_path(causal):
     torch.manual_seed(4)

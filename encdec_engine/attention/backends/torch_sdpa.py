@@ -164,9 +164,11 @@ class TorchSDPABackend:
     def _attend_slices(query, kv_cache, view: AttentionView, plan: _SlicePlan, scale: float) -> torch.Tensor:
         """One query per sequence against its contiguous run of slots. In fp32, two batched matmuls over
         the kv heads: SDPA would copy the strided [L, H, D] -> [H, L, D] views first (4x slower for a
-        1,500-key cross read). Half precision keeps SDPA, which accumulates the softmax in fp32.
-        An int8 cache with one scale per row is read with its scales applied to the scores and
-        probabilities (`attend_int8_rows`); other int8 rows are dequantized one context at a time."""
+        1,500-key cross read). Sequences that read the same context (the beams or best_of samples of
+        one request share its cross cache) are one matmul over their stacked queries, so the context
+        is read once, not once per sequence. Half precision keeps SDPA, which accumulates the softmax
+        in fp32. An int8 cache with one scale per row is read with its scales applied to the scores
+        and probabilities (`attend_int8_rows`); other int8 rows are dequantized one context at a time."""
         _, _, _, num_kv_heads, width = kv_cache.shape
         head_dim = query.shape[-1]
         keys = kv_cache[0].view(-1, num_kv_heads, width)
@@ -174,24 +176,35 @@ class TorchSDPABackend:
         group = query.shape[1] // num_kv_heads  # query heads per kv head
         out = torch.empty_like(query)
         fold_scales = kv_cache.dtype == torch.int8 and query.dtype == torch.float32 and num_groups(head_dim) == 1
-        for i, (start, key_len) in enumerate(zip(plan.starts, view.key_lens_list)):
+        readers: dict[tuple[int, int], list[int]] = defaultdict(list)  # (first slot, length) -> sequences
+        for i, context in enumerate(zip(plan.starts, view.key_lens_list)):
+            readers[context].append(i)
+        for (start, key_len), rows in readers.items():
             if fold_scales:
-                out[i] = attend_int8_rows(query[i], keys[start : start + key_len], values[start : start + key_len],
-                                          scale)
+                for i in rows:
+                    out[i] = attend_int8_rows(query[i], keys[start : start + key_len],
+                                              values[start : start + key_len], scale)
                 continue
             k = read_rows(keys[start : start + key_len], head_dim, query.dtype)  # [L, Hkv, D]
             v = read_rows(values[start : start + key_len], head_dim, query.dtype)
             if k.dtype != torch.float32:
                 k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
-                q = query[i, :, None, :].to(k.dtype)  # [H, 1, D]
-                o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=group > 1)
-                out[i] = o[:, 0].to(query.dtype)
+                for i in rows:
+                    q = query[i, :, None, :].to(k.dtype)  # [H, 1, D]
+                    o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=group > 1)
+                    out[i] = o[:, 0].to(query.dtype)
                 continue
-            k = k.permute(1, 2, 0)  # [Hkv, D, L]
-            v = v.transpose(0, 1)  # [Hkv, L, D]
-            q = query[i].view(num_kv_heads, group, head_dim).to(k.dtype) * scale  # [Hkv, G, D]
-            probs = torch.softmax(torch.bmm(q, k), dim=-1)  # [Hkv, G, L]
-            out[i] = torch.bmm(probs, v).view(-1, head_dim).to(query.dtype)
+            n = len(rows)
+            q = query[rows[0]] if n == 1 else query[rows]  # [H, D] or [n, H, D]
+            # [Hkv, n * G, D]: each kv head's queries from every reader, reader-major
+            q = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, n * group, head_dim)
+            probs = torch.softmax(torch.bmm(q.to(k.dtype) * scale, k.permute(1, 2, 0)), dim=-1)  # [Hkv, n*G, L]
+            o = torch.bmm(probs, v.transpose(0, 1)).to(query.dtype)  # [Hkv, n * G, D]
+            o = o.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, -1, head_dim)
+            if n == 1:
+                out[rows[0]] = o[0]
+            else:
+                out[rows] = o
         return out
 
 
