@@ -20,7 +20,7 @@ from encdec_engine.layers import cpu_kernels
 from encdec_engine.layers.cpu_kernels import CpuLinearPlan, choose_fp32, choose_int8_decode
 from encdec_engine.layers.int8_linear import (ACTIVATION_ROWS, Int8Linear, Int8Weight, fbgemm_available,
                                               quantize_per_channel)
-from encdec_engine.layers.linear import VocabProjection
+from encdec_engine.layers.linear import PackedLinear, VocabProjection
 from encdec_engine.models.ct2_format import read_ct2_variables
 from encdec_engine.models.ct2_import import default_model_path, import_ct2_whisper
 
@@ -173,14 +173,18 @@ def test_ct2_int8_export_imports_without_a_second_rounding(tmp_path, make_llm):
              "decoder.layers.1.encoder_attn.kv_proj": "decoder/layer_1/attention/linear_1",
              "decoder.layers.3.encoder_attn.out_proj": "decoder/layer_3/attention/linear_2",
              "encoder.layers.0.fc1": "encoder/layer_0/ffn/linear_0",
-             "encoder.layers.2.fc2": "encoder/layer_2/ffn/linear_1"}
+             "decoder.layers.2.fc2": "decoder/layer_2/ffn/linear_1"}
     modules = dict(model.named_modules())
     for ours, theirs in pairs.items():
         q, scale = modules[ours].weight_int8.int8_values()
         assert torch.equal(q, variables[f"{theirs}/weight"]), ours
         torch.testing.assert_close(scale, 1 / variables[f"{theirs}/weight_scale"], rtol=1e-6, atol=0)
-    # every linear: 4 per encoder layer, 7 per decoder layer
-    assert sum(isinstance(m, Int8Linear) for m in modules.values()) == 4 * 4 + 4 * 7
+    # every linear but the encoder's fc2 (kept in float: Whisper.float_linears_under_int8): 3 per encoder
+    # layer, 7 per decoder layer; the kept ones hold CTranslate2's int8 values times their scales
+    assert sum(isinstance(m, Int8Linear) for m in modules.values()) == 4 * 3 + 4 * 7
+    kept = float_weight(modules["encoder.layers.2.fc2"])
+    q, ct2_scale = variables["encoder/layer_2/ffn/linear_1/weight"], variables["encoder/layer_2/ffn/linear_1/weight_scale"]
+    assert torch.equal(torch.round(kept * ct2_scale[:, None]).to(torch.int8), q)
     head = Int8Weight.quantize(model.decoder.embed_tokens.weight)  # the tied logits projection
     assert torch.equal(head.int8_values()[0], variables["decoder/projection/weight"])
 
@@ -199,7 +203,10 @@ def test_int8_weights_agree_with_fp32_on_the_clips(make_llm, fp32_results):
     position, corpus WER at most 2 points above fp32's (measured: 5/7, 80/83 tokens, the two others
     differing in case only, WER 8.0% as fp32)."""
     llm = make_llm(default_model_path(), quantization="int8")
-    assert all(isinstance(m, Int8Linear) for m in llm.engine.model.modules() if type(m) in (nn.Linear, Int8Linear))
+    model = llm.engine.model
+    kept = model.float_linears_under_int8()
+    linears = [m for m in model.modules() if type(m) in (nn.Linear, PackedLinear, Int8Linear)]
+    assert kept and all(isinstance(m, Int8Linear) != any(m is k for k in kept) for m in linears)
     results = llm.transcribe([AUDIO / n for n in SHORT_CLIPS], **EXACT)
     got, ref = [r.segments[0].tokens for r in results], [r.segments[0].tokens for r in fp32_results]
     assert sum(a == b for a, b in zip(got, ref)) >= 4
@@ -272,3 +279,12 @@ def test_the_fp32_kernel_can_be_pinned_for_every_process(monkeypatch):
     with pytest.raises(ValueError, match="ENCDEC_CPU_LINEAR='fastest'"):
         cpu_kernels.machine_plan(False)
     cpu_kernels.machine_plan.cache_clear()
+
+
+def float_weight(module: nn.Module) -> torch.Tensor:
+    """The [out, in] fp32 weight of an nn.Linear or a PackedLinear (unpacked through an identity matmul)."""
+    if isinstance(module, PackedLinear):
+        eye = torch.eye(module.in_features)
+        bias = 0 if module.bias is None else module.bias
+        return (module(eye) - bias).t().contiguous()
+    return module.weight.detach()

@@ -168,7 +168,12 @@ def prepare_cpu_linears(model: nn.Module, quantization: str | None) -> CpuLinear
     projection = getattr(model, "vocab_projection", None)
     if quantization == "int8":
         plan = machine_plan(int8=True)
-        quantize_linears(model, plan.int8_decode)
+        # The linears a model keeps in float (their inputs have outliers that 8-bit activations lose) run
+        # on this machine's fp32 kernel.
+        keep = list(getattr(model, "float_linears_under_int8", list)())
+        quantize_linears(model, plan.int8_decode, keep)
+        if keep and machine_plan(int8=False).fp32 == "onednn":
+            pack_linears(model)
         if projection is not None:
             projection.use(partial(Int8Weight.quantize, decode_kernel=plan.int8_decode), is_float_cpu)
         return plan

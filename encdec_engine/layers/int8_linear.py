@@ -27,6 +27,7 @@ fp32 keeps the engine's batch invariance, int8 trades it for speed.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from contextlib import contextmanager
 from functools import partial
 
@@ -156,6 +157,7 @@ def is_float_cpu(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.is_floating_point()
 
 
-def quantize_linears(model: nn.Module, decode_kernel: str = "fbgemm") -> int:
-    """Replace every CPU float `nn.Linear` with an Int8Linear; returns how many (the float weights go)."""
-    return replace_linears(model, partial(Int8Linear, decode_kernel=decode_kernel), is_float_cpu)
+def quantize_linears(model: nn.Module, decode_kernel: str = "fbgemm", keep: Collection[nn.Module] = ()) -> int:
+    """Replace every CPU float `nn.Linear` but those in `keep` with an Int8Linear; returns how many (the
+    float weights go)."""
+    return replace_linears(model, partial(Int8Linear, decode_kernel=decode_kernel), is_float_cpu, keep)

