@@ -201,6 +201,9 @@ def main() -> int:
 
         soundfile.write(args.save_audio, recs[0].samples, SAMPLE_RATE)
     systems = engine_systems(args.threads, args.sequential, args.beam_size)
+    from encdec_engine.layers.cpu_kernels import machine_plan
+
+    print(f"engine kernels: {machine_plan(int8=False).describe()}; {machine_plan(int8=True).describe()}")
     for compute_type in ("float32", "int8"):
         systems.append((f"fw batched {compute_type}", faster_whisper_system(compute_type, args.threads,
                                                                             args.fw_batch_size, args.beam_size)))

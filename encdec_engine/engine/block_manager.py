@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 from collections import OrderedDict
 
 from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -72,7 +73,28 @@ class BlockAllocator:
     def allocate(self) -> int:
         if not self._free:
             raise RuntimeError("out of KV cache blocks")
-        block, _ = self._free.popitem(last=False)
+        return self._take(next(iter(self._free)))
+
+    def allocate_run(self, n: int) -> list[int]:
+        """n blocks with consecutive ids where the free list has such a run, so that a context allocated
+        at once (a cross table) is read in place rather than gathered at every decode step. The n
+        least recently freed blocks when they are one; else the run holding the fewest cached blocks
+        (the lowest such); else, the pool too fragmented, the n least recently freed."""
+        if n > len(self._free):
+            raise RuntimeError("out of KV cache blocks")
+        oldest = list(itertools.islice(self._free, n))
+        if oldest and oldest[-1] - oldest[0] == n - 1 and sorted(oldest) == oldest:
+            return [self._take(b) for b in oldest]
+        free = sorted(self._free)
+        cached = list(itertools.accumulate((b in self._hash_of for b in free), initial=0))  # prefix counts
+        runs = [(cached[i + n] - cached[i], i) for i in range(len(free) - n + 1) if free[i + n - 1] - free[i] == n - 1]
+        if not runs:
+            return [self._take(b) for b in oldest]
+        _, i = min(runs)
+        return [self._take(b) for b in free[i : i + n]]
+
+    def _take(self, block: int) -> int:
+        del self._free[block]
         old = self._hash_of.pop(block, None)
         if old is not None:  # its cached content is overwritten now
             del self._cached[old]
@@ -250,7 +272,7 @@ class BlockManager:
                     self.device.incref(block)
                 self.cross_block_tables[group.key] = cached
             else:
-                table = [self.device.allocate() for _ in range(n)]
+                table = self.device.allocate_run(n)
                 for block, h in zip(table, hashes):  # computed by this group's prefill, this step
                     self.device.register(block, h)
                 self.cross_block_tables[group.key] = table
