@@ -10,6 +10,10 @@ openai-whisper and whisper.cpp; the CTranslate2 original for faster-whisper), gr
                 own defaults (timestamps, temperature fallback, conditioning on the text so far):
                 prompts/audio/long_meeting.flac (69 s) and a --long-minutes recording made of
                 synthesized sentences in several voices
+    (c) vad     long-form with VAD: --vad-recordings recordings of --vad-minutes minutes (speech,
+                pauses, noise) through the engine (vad_filter, chunked; fp32 and int8) and
+                faster-whisper's BatchedInferencePipeline (fp32 and int8), by scripts/bench_vad.py
+                in this Python (faster-whisper from the project's `bench` extra)
 
 Every system runs in a process of its own (`scripts/bench_systems.py`), peers with the Python of
 their own venv (--fw-python, --whispercpp-python, --openai-python; a peer without one is left
@@ -320,7 +324,9 @@ def main() -> int:
     ap.add_argument("--ggml-model", help="whisper.cpp ggml file of the same weights (f16)")
     ap.add_argument("--openai-python", help="python of a venv with openai-whisper")
     ap.add_argument("--openai-model", help="openai-whisper .pt of the same weights")
-    ap.add_argument("--skip", default="", help="comma-separated workloads to skip: clips, long")
+    ap.add_argument("--vad-minutes", type=float, default=10.0, help="(c): length of each VAD recording")
+    ap.add_argument("--vad-recordings", type=int, default=1, help="(c): recordings (more: a steadier WER)")
+    ap.add_argument("--skip", default="", help="comma-separated workloads to skip: clips, long, vad")
     args = ap.parse_args()
     if args.num_clips < 1 or args.repeats < 1:
         ap.error("--num-clips and --repeats must be positive")
@@ -346,6 +352,17 @@ def main() -> int:
                 longs.append((audio, table(f"(b) main job: {audio.path.name}, sequential long-form", results,
                                            [audio], None)))
         targets(clip_results, clips if "clips" not in skip else [], longs)
+    if "vad" not in skip:
+        # (c) long-form with VAD against faster-whisper's BatchedInferencePipeline: scripts/bench_vad.py, which
+        # runs faster-whisper in this Python (the project's `bench` extra), after everything above.
+        print(f"\n(c) long-form with VAD: {args.vad_recordings} recording(s) of {args.vad_minutes:g} min "
+              "(scripts/bench_vad.py)")
+        vad = subprocess.run([sys.executable, str(Path(__file__).with_name("bench_vad.py")), "--minutes",
+                              str(args.vad_minutes), "--recordings", str(args.vad_recordings), "--threads",
+                              str(args.threads), "--repeats", str(args.repeats)])
+        if vad.returncode:
+            print(f"(c) failed with exit status {vad.returncode}")
+            return vad.returncode
     return 0
 
 
