@@ -197,14 +197,21 @@ def test_a_cross_table_is_one_run_of_blocks_even_in_a_fragmented_pool():
 
 
 def test_the_block_manager_gives_cross_tables_consecutive_blocks_after_churn():
-    bm = BlockManager(BS, num_device_blocks=32)
-    groups = [group(str(i), dec_len=3, enc_len=9, seq_id=i) for i in range(8)]  # 4 blocks each: the whole pool
+    from encdec_engine.engine.block_manager import CONTIGUOUS_MIN_TOKENS
+
+    bm = BlockManager(BS, num_device_blocks=40)
+    groups = [group(str(i), dec_len=3, enc_len=9, seq_id=i) for i in range(10)]  # 4 blocks each: the whole pool
     for g in groups:
         bm.allocate(g)
     for g in groups[::2] + groups[1::2]:  # finished out of order
         bm.free(g.seqs[0])
         bm.free_cross(g)
-    g = group("new", dec_len=3, enc_len=40, seq_id=99)
+    g = group("new", dec_len=3, enc_len=CONTIGUOUS_MIN_TOKENS, seq_id=99)
     bm.allocate(g)
     table = bm.get_cross_block_table(g)
     assert table == list(range(table[0], table[0] + len(table)))
+    # A short context is gathered at every step anyway: its blocks come least recently freed first, no search.
+    short = group("short", dec_len=1, enc_len=BS * 2, seq_id=100)
+    free = list(bm.device._free)
+    bm.allocate(short)
+    assert bm.get_block_table(short.seqs[0]) + bm.get_cross_block_table(short) == free[:3]

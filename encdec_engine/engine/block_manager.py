@@ -19,7 +19,15 @@ import hashlib
 import itertools
 from collections import OrderedDict
 
+import numpy as np
+
 from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+# Cross contexts of at least this many tokens get consecutive blocks where the free list allows: the CPU
+# attention reads them in place (attention/backends/torch_sdpa.py reads 128 keys or more so), shorter ones
+# are gathered anyway.
+CONTIGUOUS_MIN_TOKENS = 128
 
 
 class AllocStatus(enum.Enum):
@@ -85,13 +93,14 @@ class BlockAllocator:
         oldest = list(itertools.islice(self._free, n))
         if oldest and oldest[-1] - oldest[0] == n - 1 and sorted(oldest) == oldest:
             return [self._take(b) for b in oldest]
-        free = sorted(self._free)
-        cached = list(itertools.accumulate((b in self._hash_of for b in free), initial=0))  # prefix counts
-        runs = [(cached[i + n] - cached[i], i) for i in range(len(free) - n + 1) if free[i + n - 1] - free[i] == n - 1]
-        if not runs:
+        free = np.sort(np.fromiter(self._free, dtype=np.int64, count=len(self._free)))
+        starts = np.flatnonzero(free[n - 1 :] - free[: len(free) - n + 1] == n - 1)  # runs free[i : i + n]
+        if not len(starts):
             return [self._take(b) for b in oldest]
-        _, i = min(runs)
-        return [self._take(b) for b in free[i : i + n]]
+        cached = np.isin(free, np.fromiter(self._hash_of, dtype=np.int64, count=len(self._hash_of)))
+        counts = np.concatenate([[0], np.cumsum(cached)])
+        i = int(starts[np.argmin(counts[starts + n] - counts[starts])])
+        return [self._take(int(b)) for b in free[i : i + n]]
 
     def _take(self, block: int) -> int:
         del self._free[block]
@@ -272,7 +281,9 @@ class BlockManager:
                     self.device.incref(block)
                 self.cross_block_tables[group.key] = cached
             else:
-                table = self.device.allocate_run(n)
+                # A context this long is read in place when its blocks are consecutive (torch backend).
+                long = n * self.block_size >= CONTIGUOUS_MIN_TOKENS
+                table = self.device.allocate_run(n) if long else [self.device.allocate() for _ in range(n)]
                 for block, h in zip(table, hashes):  # computed by this group's prefill, this step
                     self.device.register(block, h)
                 self.cross_block_tables[group.key] = table
