@@ -10,6 +10,7 @@ Ctrl-C included, inside it) aborts the requests in flight, so their KV blocks ar
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -74,17 +75,20 @@ class _SegmentFeed:
         self.finished: set[TranscriptionJob] = set()  # jobs and chunk jobs with no request left
 
     def new(self, job: TranscriptionJob) -> list[Segment]:
-        final = self.assembler.on_timeline(job, 0, job.segments)
-        if job.parts:
-            final = []
-            for part in job.parts:
-                if part not in self.finished:
-                    break
-                final += self.assembler.on_timeline(job, part.part, part.segments)
-        fresh = final[self.sent[job.index]:]
-        for i, seg in enumerate(fresh, start=self.sent[job.index]):
+        """The input's final segments not handed out yet, on its timeline (each mapped once, not again at
+        every update)."""
+        parts = itertools.takewhile(lambda part: part in self.finished, job.parts) if job.parts else [job]
+        start = skip = self.sent[job.index]
+        fresh = []
+        for part in parts:
+            if skip >= len(part.segments):
+                skip -= len(part.segments)
+                continue
+            fresh += self.assembler.on_timeline(job, part.part, part.segments[skip:])
+            skip = 0
+        for i, seg in enumerate(fresh, start=start):
             seg.id = i  # a chunk numbers its own segments; the input's numbering is known only here
-        self.sent[job.index] = len(final)
+        self.sent[job.index] = start + len(fresh)
         return fresh
 
     def forget(self, job: TranscriptionJob) -> None:
