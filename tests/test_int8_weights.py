@@ -183,7 +183,8 @@ def test_ct2_int8_export_imports_without_a_second_rounding(tmp_path, make_llm):
     # layer, 7 per decoder layer; the kept ones hold CTranslate2's int8 values times their scales
     assert sum(isinstance(m, Int8Linear) for m in modules.values()) == 4 * 3 + 4 * 7
     kept = float_weight(modules["encoder.layers.2.fc2"])
-    q, ct2_scale = variables["encoder/layer_2/ffn/linear_1/weight"], variables["encoder/layer_2/ffn/linear_1/weight_scale"]
+    fc2 = "encoder/layer_2/ffn/linear_1"
+    q, ct2_scale = variables[f"{fc2}/weight"], variables[f"{fc2}/weight_scale"]
     assert torch.equal(torch.round(kept * ct2_scale[:, None]).to(torch.int8), q)
     head = Int8Weight.quantize(model.decoder.embed_tokens.weight)  # the tied logits projection
     assert torch.equal(head.int8_values()[0], variables["decoder/projection/weight"])

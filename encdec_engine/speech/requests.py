@@ -105,7 +105,8 @@ class WindowRequests:
         return SamplingParams(
             temperature=temperature, n=fanout, best_of=fanout, num_beams=beams,
             seed=options.seed + 1000 * job.index + job.window + 1_000_000 * job.part if sampled else None,
-            max_tokens=self._max_tokens(prompt_len, job.long_form), logprobs=0 if beams == 1 else None, skip_special_tokens=True,
+            max_tokens=self._max_tokens(prompt_len, job.long_form), logprobs=0 if beams == 1 else None,
+            skip_special_tokens=True,
             no_speech_token_id=self.tokens.no_speech,
             suppress_tokens=self.suppress, begin_suppress_tokens=self.begin_suppress,
             repetition_penalty=options.repetition_penalty, no_repeat_ngram_size=options.no_repeat_ngram_size,

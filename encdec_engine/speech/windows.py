@@ -136,8 +136,8 @@ class WindowPlanner:
     def _log_mel(self, job: TranscriptionJob) -> torch.Tensor:  # [n_mels, frames]
         if not job.long_form:  # HF semantics: the zero-padded 30 s window is normalized as a whole
             return log_mel_spectrogram([job.samples], n_mels=self.n_mels)[0]
-        # openai-whisper semantics: the whole recording plus 30 s of silence, sliced into windows later
-        # The recording plus 30 s of silence, featurized in blocks: an hour's STFT would take gigabytes.
+        # openai-whisper semantics: the whole recording plus 30 s of silence, sliced into windows later,
+        # featurized in blocks (an hour's STFT in one piece would take gigabytes).
         return long_log_mel_spectrogram(job.samples, self.n_mels, tail_zeros=N_SAMPLES)
 
     def _clips(self, job: TranscriptionJob) -> list[tuple[int, int]]:
