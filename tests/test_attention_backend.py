@@ -170,3 +170,80 @@ def test_uniform_segments_take_the_reshape_path(causal):
     out = TorchSDPABackend(BS).forward(q, k, v, None, v_, SCALE)
     mask = prefill_attn_bias(v_).materialize((18, 18))
     torch.testing.assert_close(out, naive(q, k, v, mask, H), rtol=1e-5, atol=1e-5)
+
+
+def _contiguous_context(cache, first_block: int, length: int, seed: int):
+    """Random K/V for `length` positions stored from block `first_block` on; returns (k, v, slots)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_kv_heads = cache.shape[3]
+    k, v = torch.randn(length, num_kv_heads, D, generator=gen), torch.randn(length, num_kv_heads, D, generator=gen)
+    slots = torch.arange(first_block * BS, first_block * BS + length)
+    store_kv(k, v, cache, slots)
+    return k, v, slots
+
+
+def _cross_decode(backend, cache, tables, k_lens, q):
+    view = make_view([1] * len(k_lens), k_lens, False, block_tables=torch.from_numpy(pad_rows(tables)))
+    backend.plan(AttentionMetadata(decoder=make_view([1], [1], True), cross=view))
+    return backend.forward(q, None, None, cache, view, SCALE)
+
+
+def test_cross_decode_reads_a_head_major_copy_that_follows_every_write():
+    """fp32 cross contexts are read from head-major copies made at the first decode read. A copy must
+    never outlive its slots' contents: a store into them (a new request's prefill on reused blocks),
+    a cache-engine copy-on-write or swap-in into them, or a decode step that no longer reads the
+    context drops it, and the next read sees what the pool holds."""
+    from encdec_engine.models.interface import KVCacheSpec
+    from encdec_engine.worker.cache_engine import CacheEngine
+    from encdec_engine.worker.model_runner import ModelRunner
+
+    length, num_kv_heads = 150, 2
+    blocks = -(-length // BS)
+    engine = CacheEngine(KVCacheSpec(1, num_kv_heads, D), BS, 2 * blocks + 2, 0, torch.float32, torch.device("cpu"))
+    backend = TorchSDPABackend(BS)
+    ModelRunner(None, backend, engine, BS, torch.device("cpu"))  # registers the backend for block writes
+    cache = engine.kv_caches[0]
+    table_a, table_b = list(range(1, 1 + blocks)), list(range(1 + blocks, 1 + 2 * blocks))
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(0))
+
+    def check(out, k, v):
+        torch.testing.assert_close(out, naive(q, k, v, torch.zeros(1, length), num_kv_heads), rtol=1e-5, atol=1e-5)
+
+    k, v, slots = _contiguous_context(cache, 1, length, seed=1)
+    check(_cross_decode(backend, cache, [table_a], [length], q), k, v)
+    assert len(backend.head_major.copies) == 1
+    check(_cross_decode(backend, cache, [table_a], [length], q), k, v)  # read from the copy
+
+    # A prefill storing new K/V into the context's slots (its blocks went to another request).
+    backend.plan(AttentionMetadata(decoder=make_view([length], [length], True, slot_mapping=slots)))
+    assert not backend.head_major.copies
+    k, v, _ = _contiguous_context(cache, 1, length, seed=2)
+    check(_cross_decode(backend, cache, [table_a], [length], q), k, v)
+
+    # Copy-on-write into one of its blocks, through the cache engine.
+    engine.copy([(table_b[0], table_a[3])])
+    assert not backend.head_major.copies
+    k[3 * BS : 4 * BS], v[3 * BS : 4 * BS] = cache[0, table_b[0]], cache[1, table_b[0]]
+    check(_cross_decode(backend, cache, [table_a], [length], q), k, v)
+
+    # A decode step that reads only another context drops this one's copy.
+    kb, vb, _ = _contiguous_context(cache, 1 + blocks, length, seed=3)
+    check(_cross_decode(backend, cache, [table_b], [length], q), kb, vb)
+    assert [key[1] for key in backend.head_major.copies] == [table_b[0] * BS]
+
+
+def test_head_major_copies_stay_within_their_budget():
+    length, num_kv_heads = 150, 2
+    blocks = -(-length // BS)
+    cache = torch.zeros(2, 2 * blocks + 1, BS, num_kv_heads, D)
+    contexts = [_contiguous_context(cache, 1 + i * blocks, length, seed=i) for i in range(2)]
+    tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(2)]
+    backend = TorchSDPABackend(BS)
+    one = 2 * length * num_kv_heads * D * 4
+    backend.head_major.budget = one  # room for one context's copy
+    q = torch.randn(2, H, D, generator=torch.Generator().manual_seed(0))
+    out = _cross_decode(backend, cache, tables, [length, length], q)
+    assert len(backend.head_major.copies) == 1 and backend.head_major.nbytes == one
+    for i, (k, v, _) in enumerate(contexts):  # the second context is read from the pool
+        ref = naive(q[i : i + 1], k, v, torch.zeros(1, length), num_kv_heads)
+        torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,8 @@ moves and copy-on-write copies the scheduler asks for before each step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from encdec_engine.attention.kv_quant import row_width
@@ -43,11 +45,19 @@ class CacheEngine:
             cache[:, 0].zero_()
         swap_shape = (2, num_swap_blocks, block_size, spec.num_kv_heads, width)
         pin = device.type == "cuda"
+        # Called with the device blocks a swap-in or copy-on-write overwrites (a backend that keeps
+        # derived copies of cached contexts drops theirs).
+        self.write_listeners: list[Callable[[list[int]], None]] = []
         self.swap_caches = (
             [torch.empty(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(spec.num_layers)]
             if num_swap_blocks
             else []
         )
+
+    def _written(self, blocks: list[int]) -> None:
+        if blocks:
+            for listener in self.write_listeners:
+                listener(blocks)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to swap blocks ((device id, swap id) pairs; a device block may go to several)."""
@@ -56,11 +66,13 @@ class CacheEngine:
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy swap blocks back to device blocks ((swap id, device id) pairs)."""
         self._move(self.swap_caches, self.kv_caches, pairs)
+        self._written([d for _, d in pairs])
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate device blocks (src -> dst) in every layer."""
         if not pairs:
             return
+        self._written([d for _, d in pairs])
         src = torch.tensor([s for s, _ in pairs], device=self.kv_caches[0].device)
         dst = torch.tensor([d for _, d in pairs], device=self.kv_caches[0].device)
         for cache in self.kv_caches:

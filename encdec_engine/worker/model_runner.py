@@ -63,6 +63,8 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.cache = cache_engine
+        if getattr(backend, "blocks_written", None) is not None:
+            cache_engine.write_listeners.append(backend.blocks_written)
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
