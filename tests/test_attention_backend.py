@@ -247,3 +247,30 @@ def test_head_major_copies_stay_within_their_budget():
     for i, (k, v, _) in enumerate(contexts):  # the second context is read from the pool
         ref = naive(q[i : i + 1], k, v, torch.zeros(1, length), num_kv_heads)
         torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_cross_context_is_read_from_a_dequantized_head_major_copy():
+    """An int8 pool's cross context is dequantized once into its head-major copy; reads from it give
+    what the per-step int8 path (scales folded into scores and probabilities) gives."""
+    from encdec_engine.attention.kv_quant import row_width
+
+    length, num_kv_heads, head_dim = 150, 2, 64
+    blocks = -(-length // BS)
+    cache = torch.zeros(2, blocks + 1, BS, num_kv_heads, row_width(head_dim, torch.int8), dtype=torch.int8)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(length, num_kv_heads, head_dim, generator=gen), torch.randn(length, num_kv_heads, head_dim,
+                                                                                    generator=gen)
+    store_kv(k, v, cache, torch.arange(BS, BS + length))
+    q = torch.randn(1, H, head_dim, generator=gen)
+    table = [list(range(1, 1 + blocks))]
+
+    def decode(backend):
+        view = make_view([1], [length], False, block_tables=torch.from_numpy(pad_rows(table)))
+        backend.plan(AttentionMetadata(decoder=make_view([1], [1], True), cross=view))
+        return backend.forward(q, None, None, cache, view, head_dim**-0.5)
+
+    with_copy, folded = TorchSDPABackend(BS), TorchSDPABackend(BS)
+    folded.head_major.budget = 0
+    out = decode(with_copy)
+    assert len(with_copy.head_major.copies) == 1 and not folded.head_major.copies
+    torch.testing.assert_close(out, decode(folded), rtol=1e-5, atol=1e-5)
