@@ -21,7 +21,7 @@ from encdec_engine.attention.backends.base import store_kv
 from encdec_engine.attention.kv_quant import as_stored, attend_int8_rows, num_groups, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
-_SLICE_MIN_KEYS = 128  # below this, one padded gather beats a loop over sequences
+_SLICE_MIN_KEYS = 128  # below this, one padded gather beats a loop over sequences (a lone one reads in place)
 HEAD_MAJOR_BUDGET = 256 * 2**20  # bytes of head-major cross-context copies a backend may hold
 
 
@@ -150,8 +150,10 @@ class TorchSDPABackend:
             if view is not None:
                 self.head_major.slots_written(view.slot_mapping)
             if view is not None and view.reads_cache:
-                # Long contexts read in place when contiguous; short ones gather into one batch.
-                slices = plan_slices(view, self.block_size) if view.max_key_len >= _SLICE_MIN_KEYS else None
+                # Long contexts (or a lone sequence's) read in place when contiguous; short ones gather
+                # into one batch.
+                in_place = view.max_key_len >= _SLICE_MIN_KEYS or view.num_seqs == 1
+                slices = plan_slices(view, self.block_size) if in_place else None
                 view.plan = slices or plan_gather(view, self.block_size)
         decode_reads = [v for v in (metadata.decoder, metadata.cross)
                          if v is not None and v.reads_cache and not v.causal and v.max_query_len == 1]
