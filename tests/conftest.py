@@ -76,6 +76,8 @@ def no_leaked_blocks():
             engine.abort_request(rid)
         assert not engine.has_unfinished_requests()
         assert engine.num_free_blocks() == engine.num_total_blocks(), "KV blocks leaked"
+        copies = getattr(engine.runner.backend, "head_major", None)
+        assert copies is None or (not copies.copies and copies.nbytes == 0), "head-major copies kept while idle"
 
 
 @pytest.fixture(scope="session")

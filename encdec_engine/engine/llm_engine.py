@@ -197,7 +197,13 @@ class LLMEngine:
         """Stop a request wherever it is; its self and cross blocks are freed at once."""
         group = self.scheduler.abort(request_id)
         group = self.groups.pop(request_id, group)
+        self._release_if_idle()
         return self.output_processor.output(group) if group is not None else None
+
+    def _release_if_idle(self) -> None:
+        """With nothing left to run, the runner drops what it keeps between steps."""
+        if not self.scheduler.has_unfinished():
+            self.runner.release_idle()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -214,6 +220,7 @@ class LLMEngine:
         self.cache_engine.swap_out(out.blocks_to_swap_out)
         self.cache_engine.copy(out.blocks_to_copy)
         if out.is_empty:
+            self._release_if_idle()
             return outputs
         self.stats["prefill_steps" if out.is_prompt else "decode_steps"] += 1
         if out.is_prompt:
@@ -240,6 +247,7 @@ class LLMEngine:
                 group.finished_time = time.monotonic()
                 self.groups.pop(group.request_id, None)
             outputs.append(self.output_processor.output(group))
+        self._release_if_idle()
         return outputs
 
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:

@@ -88,6 +88,12 @@ class ModelRunner:
         self.graphs = graphs
         return used
 
+    def release_idle(self) -> None:
+        """Nothing is running: the backend drops what it keeps between steps (head-major copies)."""
+        release = getattr(self.backend, "release", None)
+        if release is not None:
+            release()
+
     # -- input preparation ---------------------------------------------------
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)

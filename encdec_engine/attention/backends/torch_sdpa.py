@@ -83,7 +83,8 @@ class HeadMajorContexts:
     2.2 ms to 1.0 ms. A cross context is written once, at its request's prefill, so a copy made at
     its first decode read stays right while nothing writes its slots: every step drops the copies
     whose blocks it writes (self and cross stores) and, when it decodes, those it does not read;
-    the cache engine reports its block moves and copy-on-write copies (`blocks_written`).
+    the cache engine reports its block moves and copy-on-write copies (`blocks_written`), and an
+    idle engine drops them all (`release`).
     At most `budget` bytes are held; contexts beyond it are read from the pool."""
 
     def __init__(self, block_size: int, budget: int = HEAD_MAJOR_BUDGET) -> None:
@@ -144,6 +145,10 @@ class TorchSDPABackend:
     def blocks_written(self, blocks: list[int]) -> None:
         """The cache engine moved or copied K/V into these blocks."""
         self.head_major.blocks_written(blocks)
+
+    def release(self) -> None:
+        """The engine is idle: drop the head-major copies."""
+        self.head_major.keep(set())
 
     def plan(self, metadata: AttentionMetadata) -> None:
         for view in (metadata.decoder, metadata.cross):
