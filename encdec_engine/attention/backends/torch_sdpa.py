@@ -4,8 +4,9 @@ Never materializes an O(total_tokens^2) mask: fresh prefill attention runs
 per sequence (sequences of equal shape are batched into one call), and
 cache reads gather each sequence's context into a batch padded to the
 longest context of this step, with a [num_seqs, max_key_len] padding mask.
-Decode reads of a long fp32 cross context go through a head-major copy of it
-(`HeadMajorContexts`), kept while decode steps read it.
+Decode reads of a cross context read in place (fp32, or an int8 pool's rows
+dequantized) go through a head-major copy of it (`HeadMajorContexts`), kept
+while decode steps read it.
 """
 
 from __future__ import annotations
@@ -104,7 +105,6 @@ class HeadMajorContexts:
                 return None
             k = read_rows(kv_cache[0].view(-1, num_kv_heads, width)[start : start + length], head_dim, torch.float32)
             v = read_rows(kv_cache[1].view(-1, num_kv_heads, width)[start : start + length], head_dim, torch.float32)
-            k, v = k[..., :head_dim], v[..., :head_dim]  # [L, Hkv, D] (an fp32 pool's rows are the values)
             copy = self.copies[key] = (k.permute(1, 2, 0).contiguous(), v.transpose(0, 1).contiguous())
             self.nbytes += nbytes
         return copy
@@ -276,14 +276,14 @@ class TorchSDPABackend:
             else:
                 k = read_rows(keys[start : start + key_len], head_dim, query.dtype)  # [L, Hkv, D]
                 v = read_rows(values[start : start + key_len], head_dim, query.dtype)
+                if k.dtype != torch.float32:
+                    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
+                    for i in rows:
+                        q = query[i, :, None, :].to(k.dtype)  # [H, 1, D]
+                        o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=group > 1)
+                        out[i] = o[:, 0].to(query.dtype)
+                    continue
                 keys_t, v = k.permute(1, 2, 0), v.transpose(0, 1)
-            if v.dtype != torch.float32:
-                k = keys_t.transpose(1, 2)  # [Hkv, L, D]
-                for i in rows:
-                    q = query[i, :, None, :].to(k.dtype)  # [H, 1, D]
-                    o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=group > 1)
-                    out[i] = o[:, 0].to(query.dtype)
-                continue
             n = len(rows)
             q = query[rows[0]] if n == 1 else query[rows]  # [H, D] or [n, H, D]
             # [Hkv, n * G, D]: each kv head's queries from every reader, reader-major
