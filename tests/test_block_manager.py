@@ -2,7 +2,7 @@
 
 import pytest
 
-from encdec_engine.engine.block_manager import AllocStatus, BlockManager, blocks_for
+from encdec_engine.engine.block_manager import AllocStatus, BlockAllocator, BlockManager, blocks_for
 from encdec_engine.sequence import EncoderSequence, Sequence, SequenceGroup, SequenceStatus
 from encdec_engine.sampling_params import SamplingParams
 
@@ -197,8 +197,6 @@ def test_a_cross_table_is_one_run_of_blocks_even_in_a_fragmented_pool():
 
 
 def test_the_block_manager_gives_cross_tables_consecutive_blocks_after_churn():
-    from encdec_engine.engine.block_manager import CONTIGUOUS_MIN_TOKENS
-
     bm = BlockManager(BS, num_device_blocks=40)
     groups = [group(str(i), dec_len=3, enc_len=9, seq_id=i) for i in range(10)]  # 4 blocks each: the whole pool
     for g in groups:
@@ -206,12 +204,42 @@ def test_the_block_manager_gives_cross_tables_consecutive_blocks_after_churn():
     for g in groups[::2] + groups[1::2]:  # finished out of order
         bm.free(g.seqs[0])
         bm.free_cross(g)
-    g = group("new", dec_len=3, enc_len=CONTIGUOUS_MIN_TOKENS, seq_id=99)
+    for enc_len in (8 * BS, 2 * BS):  # long and short contexts alike (a lone sequence reads either in place)
+        g = group(f"new{enc_len}", dec_len=3, enc_len=enc_len, seq_id=99 + enc_len)
+        bm.allocate(g)
+        table = bm.get_cross_block_table(g)
+        assert table == list(range(table[0], table[0] + len(table)))
+
+
+def test_a_self_table_grows_into_the_blocks_after_it():
+    """A sequence's new blocks follow its last one while those are free and hold no cached content,
+    so that a lone sequence's self context stays one run (read in place); else least recently freed."""
+    bm = BlockManager(BS, num_device_blocks=40)
+    g = group("a", dec_len=3, enc_len=3 * BS, seq_id=1)
     bm.allocate(g)
-    table = bm.get_cross_block_table(g)
-    assert table == list(range(table[0], table[0] + len(table)))
-    # A short context is gathered at every step anyway: its blocks come least recently freed first, no search.
-    short = group("short", dec_len=1, enc_len=BS * 2, seq_id=100)
-    free = list(bm.device._free)
-    bm.allocate(short)
-    assert bm.get_block_table(short.seqs[0]) + bm.get_cross_block_table(short) == free[:3]
+    seq = g.seqs[0]
+    cross, table = bm.get_cross_block_table(g), bm.get_block_table(seq)
+    assert table == [cross[-1] + 1]  # the cross run first, the self table after it
+    for _ in range(2 * BS):
+        seq.append_token(7, 0.0, None)
+        bm.append_slots(seq)
+        seq.data.num_computed_tokens = len(seq) - 1
+    assert bm.get_block_table(seq) == list(range(table[0], table[0] + 3))
+    # The block after the last one is taken by another request: the least recently freed instead.
+    other = group("b", dec_len=1, enc_len=BS, seq_id=2)
+    bm.allocate(other)
+    oldest = next(iter(bm.device._free))
+    for _ in range(BS):
+        seq.append_token(7, 0.0, None)
+        bm.append_slots(seq)
+        seq.data.num_computed_tokens = len(seq) - 1
+    assert bm.get_block_table(seq)[-1] == oldest
+    # A free block that holds cached content is not taken out of turn.
+    pool = BlockAllocator(8)
+    assert [pool.allocate() for _ in range(3)] == [0, 1, 2]
+    pool.free(1)
+    pool.free(2)  # free list: 3..7, then 1, 2
+    pool.register(1, b"cached")
+    assert pool.allocate(after=0) == 3  # 1 holds cached content: the least recently freed instead
+    assert pool.allocate(after=1) == 2  # free, nothing cached: taken out of turn
+    assert pool.lookup(b"cached") == 1

@@ -24,12 +24,6 @@ import numpy as np
 from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
-# Cross contexts of at least this many tokens get consecutive blocks where the free list allows: the CPU
-# attention reads them in place (attention/backends/torch_sdpa.py reads 128 keys or more so), shorter ones
-# are gathered anyway.
-CONTIGUOUS_MIN_TOKENS = 128
-
-
 class AllocStatus(enum.Enum):
     OK = enum.auto()  # fits now
     LATER = enum.auto()  # fits once other requests free blocks
@@ -78,9 +72,14 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
+    def allocate(self, after: int | None = None) -> int:
+        """The least recently freed block; but `after + 1` when that one is free and holds no cached
+        content, so that a table grown block by block stays one run of ids (the CPU attention reads
+        a lone sequence's run in place instead of gathering it at every step)."""
         if not self._free:
             raise RuntimeError("out of KV cache blocks")
+        if after is not None and after + 1 in self._free and after + 1 not in self._hash_of:
+            return self._take(after + 1)
         return self._take(next(iter(self._free)))
 
     def allocate_run(self, n: int) -> list[int]:
@@ -263,10 +262,6 @@ class BlockManager:
         """
         enc = group.encoder_seq
         self_key = self._self_key(group)
-        # Caching off: the forks of one request share through this map alone, gone after the call.
-        scope = None if self.enable_caching else {}
-        for seq in group.get_seqs(SequenceStatus.WAITING):
-            self.block_tables[seq.seq_id] = self._allocate_self(seq, self_key, group.prefill_from, scope)
         key = enc.cache_key if self.enable_caching and enc is not None else None
         if enc is not None and group.key not in self.cross_block_tables:
             n = blocks_for(enc.num_positions, self.block_size)
@@ -281,12 +276,18 @@ class BlockManager:
                     self.device.incref(block)
                 self.cross_block_tables[group.key] = cached
             else:
-                # A context this long is read in place when its blocks are consecutive (torch backend).
-                long = n * self.block_size >= CONTIGUOUS_MIN_TOKENS
-                table = self.device.allocate_run(n) if long else [self.device.allocate() for _ in range(n)]
+                # Consecutive blocks where the free list allows: the CPU attention reads them in place.
+                table = self.device.allocate_run(n)
                 for block, h in zip(table, hashes):  # computed by this group's prefill, this step
                     self.device.register(block, h)
                 self.cross_block_tables[group.key] = table
+        # Self tables after the cross table: a new self block then does not sit where the cross run would
+        # start, and grows into the blocks after it (`BlockAllocator.allocate`); and the cross cache,
+        # the costlier to recompute, is looked up before self blocks are taken from the free list.
+        # Caching off: the forks of one request share through this map alone, gone after the call.
+        scope = None if self.enable_caching else {}
+        for seq in group.get_seqs(SequenceStatus.WAITING):
+            self.block_tables[seq.seq_id] = self._allocate_self(seq, self_key, group.prefill_from, scope)
 
     def _allocate_self(self, seq: Sequence, key, compute_from: int | None = None,
                        scope: dict[bytes, int] | None = None) -> list[int]:
@@ -311,7 +312,7 @@ class BlockManager:
                 self.cache_stats["self_block_hits"] += len(table)
             seq.data.num_computed_tokens = len(table) * bs
         while len(table) < blocks_for(len(seq), bs):
-            block = self.device.allocate()
+            block = self.device.allocate(table[-1] if table else None)
             if len(table) < len(hashes):
                 if scope is None:
                     self.device.register(block, hashes[len(table)])
@@ -360,7 +361,7 @@ class BlockManager:
         """
         table = self.block_tables[seq.seq_id]
         while len(table) < blocks_for(len(seq), self.block_size):
-            table.append(self.device.allocate())
+            table.append(self.device.allocate(table[-1] if table else None))
         # The block that receives the first uncached token.
         idx = seq.data.num_computed_tokens // self.block_size
         block = table[idx]
