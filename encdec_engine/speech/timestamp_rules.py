@@ -80,11 +80,10 @@ class TimestampRules:
                 logits[begin + self.max_initial_timestamp_index + 1 :] = NEG_INF
 
         if self.detect_from_logprob:
-            # Over the already-edited scores, as HF does.
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            timestamp_logprob = logprobs[begin:].logsumexp(dim=-1)
-            max_text_token_logprob = logprobs[:begin].max()
-            if timestamp_logprob > max_text_token_logprob:
+            # Over the already-edited scores, as HF does. HF compares log-probabilities; the log-softmax
+            # normalizer is common to both sides, so the logits are compared (no pass over the vocab).
+            timestamp_logit = logits[begin:].float().logsumexp(dim=-1)
+            if timestamp_logit > logits[:begin].max():
                 logits[:begin] = NEG_INF
 
 
