@@ -37,6 +37,10 @@ class AttentionType(enum.Enum):
     ENCODER_DECODER = enum.auto()  # cross-attention: non-causal, paged cross cache
 
 
+# The AttentionMetadata field each attention type reads.
+_VIEW_OF = {AttentionType.DECODER: "decoder", AttentionType.ENCODER: "encoder", AttentionType.ENCODER_DECODER: "cross"}
+
+
 @dataclass
 class AttentionView:
     """How one attention type sees the flat batch.
@@ -68,19 +72,22 @@ class AttentionView:
         the per-sequence loops use. `tensors` are slot_mapping and/or block_tables."""
         query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
         key_lens = np.asarray(key_lens, dtype=np.int64)
+        on_cpu = torch.device(device).type == "cpu"
 
         def to_device(array) -> torch.Tensor:
-            return torch.as_tensor(np.ascontiguousarray(array)).to(device, non_blocking=True)
+            tensor = torch.from_numpy(np.ascontiguousarray(array))
+            return tensor if on_cpu else tensor.to(device, non_blocking=True)
 
+        query_start_loc_list, key_lens_list = query_start_loc.tolist(), key_lens.tolist()
         return cls(
             query_start_loc=to_device(query_start_loc),
             key_lens=to_device(key_lens),
             causal=causal,
-            max_query_len=int(np.diff(query_start_loc).max(initial=0)),
-            max_key_len=int(key_lens.max(initial=0)),
+            max_query_len=max((b - a for a, b in zip(query_start_loc_list, query_start_loc_list[1:])), default=0),
+            max_key_len=max(key_lens_list, default=0),
             key_start_loc=None if key_start_loc is None else to_device(key_start_loc),
-            query_start_loc_list=query_start_loc.tolist(),
-            key_lens_list=key_lens.tolist(),
+            query_start_loc_list=query_start_loc_list,
+            key_lens_list=key_lens_list,
             key_start_loc_list=None if key_start_loc is None else np.asarray(key_start_loc).tolist(),
             **{k: None if v is None else to_device(v) for k, v in tensors.items()},
         )
@@ -105,11 +112,7 @@ class AttentionMetadata:
     capture: Any = None  # attention.capture.CrossCapture of a prefill that asked for cross-attention probabilities
 
     def view(self, attn_type: AttentionType) -> AttentionView:
-        view = {
-            AttentionType.DECODER: self.decoder,
-            AttentionType.ENCODER: self.encoder,
-            AttentionType.ENCODER_DECODER: self.cross,
-        }[attn_type]
+        view = getattr(self, _VIEW_OF[attn_type])
         if view is None:
             raise RuntimeError(f"no {attn_type.name} attention view in this batch")
         return view

@@ -101,17 +101,17 @@ class ModelRunner:
     def _view(self, query_start_loc: np.ndarray, key_lens: np.ndarray, causal: bool, **arrays) -> AttentionView:
         return AttentionView.from_arrays(query_start_loc, key_lens, causal, self.device, **arrays)
 
-    def _decoder_arrays(self, rows: list[StepRow], decode: bool) -> tuple[TokenArrays, np.ndarray]:
+    def _decoder_arrays(self, rows: list[StepRow]) -> tuple[TokenArrays, np.ndarray]:
         data = [r.group.seq_data[r.seq_id] for r in rows]
         block_table = pad_rows([r.group.block_tables[r.seq_id] for r in rows])
-        num_computed = np.array([len(d) - 1 if decode else d.num_computed_tokens for d in data], dtype=np.int64)
+        num_computed = np.array([d.num_computed_tokens for d in data], dtype=np.int64)
         num_scheduled = np.array([len(d) for d in data], dtype=np.int64) - num_computed
         arrays = prepare_token_arrays(num_scheduled, num_computed, block_table, self.block_size,
                                       pad_rows([d.token_ids for d in data]))
         return arrays, block_table
 
     def prepare_prefill(self, rows: list[StepRow]) -> ModelInput:
-        dec, block_table = self._decoder_arrays(rows, decode=False)
+        dec, block_table = self._decoder_arrays(rows)
         has_prefix = bool(dec.num_computed_tokens.any())
         decoder = self._view(
             dec.query_start_loc, dec.seq_lens, causal=True, slot_mapping=dec.slot_mapping,
@@ -216,9 +216,15 @@ class ModelRunner:
         return inputs, encoder, cross
 
     def decode_batch(self, rows: list[StepRow]) -> DecodeBatch:
-        dec, block_table = self._decoder_arrays(rows, decode=True)
-        batch = DecodeBatch(input_ids=dec.input_ids, positions=dec.positions, slot_mapping=dec.slot_mapping,
-                            block_tables=block_table, seq_lens=dec.seq_lens)
+        """Each sequence's last token, at position len - 1, into the self-cache slot of that position."""
+        data = [r.group.seq_data[r.seq_id] for r in rows]
+        block_table = pad_rows([r.group.block_tables[r.seq_id] for r in rows])
+        seq_lens = np.array([len(d) for d in data], dtype=np.int64)
+        positions = seq_lens - 1
+        input_ids = np.array([(d.output_token_ids or d.prompt_token_ids)[-1] for d in data], dtype=np.int64)
+        blocks = block_table[np.arange(len(rows)), positions // self.block_size]
+        batch = DecodeBatch(input_ids=input_ids, positions=positions, block_tables=block_table, seq_lens=seq_lens,
+                            slot_mapping=blocks * self.block_size + positions % self.block_size)
         if rows[0].group.encoder_seq_data is not None:
             batch.encoder_lens = np.array([r.group.encoder_seq_data.num_positions for r in rows], dtype=np.int64)
             batch.cross_block_tables = pad_rows([r.group.cross_block_table for r in rows])

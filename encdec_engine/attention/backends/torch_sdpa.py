@@ -127,7 +127,7 @@ class HeadMajorContexts:
 
     def slots_written(self, slots: torch.Tensor | None) -> None:
         if self.copies and slots is not None and slots.numel():
-            self.blocks_written(torch.unique(slots // self.block_size).cpu().numpy())
+            self.blocks_written(np.unique(slots.cpu().numpy() // self.block_size))
 
     def _drop(self, key) -> None:
         k, v = self.copies.pop(key)
@@ -288,9 +288,13 @@ class TorchSDPABackend:
             q = query[rows[0]] if n == 1 else query[rows]  # [H, D] or [n, H, D]
             # [Hkv, n * G, D]: each kv head's queries from every reader, reader-major
             q = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, n * group, head_dim)
-            probs = torch.softmax(torch.bmm(q * scale, keys_t), dim=-1)  # [Hkv, n*G, L]
+            if scale != 1.0:  # 1.0: the model scaled the queries itself (Whisper)
+                q = q * scale
+            probs = torch.softmax(torch.bmm(q, keys_t), dim=-1)  # [Hkv, n*G, L]
             o = torch.bmm(probs, v).to(query.dtype)  # [Hkv, n * G, D]
             o = o.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, -1, head_dim)
+            if n == len(query):  # one context read by every sequence (one sequence, or one request's beams)
+                return o
             if n == 1:
                 out[rows[0]] = o[0]
             else:
