@@ -41,6 +41,11 @@ ACTIVATION_ROWS = 512  # rows sharing one activation scale (a third of a Whisper
 # The op's C++ entry: the Python packet first scans every argument for fake script objects
 # (tracing only), ~5 us of a ~35 us decode-row call.
 _linear_dynamic = getattr(torch.ops.quantized.linear_dynamic, "_op", torch.ops.quantized.linear_dynamic)
+# Called with the subclass __torch_function__ check off: otherwise torch's binding asks the packed
+# weight (a ScriptObject) for `__torch_function__` at every call, and the failed lookup throws and
+# catches a C++ exception, ~14 of a decode row's ~19 us (24 decoder linears + the head a tiny.en step).
+# The engine passes plain tensors here, which have no __torch_function__ of their own to skip.
+_plain_tensors = torch._C.DisableTorchFunctionSubclass
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,10 +126,12 @@ class Int8Weight:
             out = out if self.bias is None else out + self.bias
             return out.view(*x.shape[:-1], self.out_features)
         if rows <= ACTIVATION_ROWS:
-            return _linear_dynamic(x.float(), self.packed, True)
+            with _plain_tensors():
+                return _linear_dynamic(x.float(), self.packed, True)
         flat = x.reshape(rows, self.in_features).float()
-        out = torch.cat([_linear_dynamic(flat[i : i + ACTIVATION_ROWS], self.packed, True)
-                         for i in range(0, rows, ACTIVATION_ROWS)])
+        with _plain_tensors():
+            out = torch.cat([_linear_dynamic(flat[i : i + ACTIVATION_ROWS], self.packed, True)
+                             for i in range(0, rows, ACTIVATION_ROWS)])
         return out.view(*x.shape[:-1], self.out_features)
 
     @property
