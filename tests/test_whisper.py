@@ -356,3 +356,34 @@ def test_language_may_be_a_code_token_or_name_in_any_case():
     multi = WhisperTokens(sot=1, eot=0, no_timestamps=9, sot_prev=None, is_multilingual=True,
                           lang_to_id={"<|en|>": 3, "<|fr|>": 4}, task_to_id={"transcribe": 5})
     assert multi.decoder_prompt("French") == [1, 4, 5, 9]
+
+
+@pytest.mark.parametrize("head_dim, folds", [(64, True), (48, False)])
+def test_query_scaling_folds_into_the_projection_bit_for_bit(head_dim, folds):
+    """Whisper scales q after its projection; folded into the q rows at load (a power-of-two scaling
+    only) it gives the same bits, in fp32 and through the int8 linears."""
+    import copy
+
+    from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
+    from encdec_engine.attention.metadata import AttentionMetadata, AttentionType, AttentionView
+    from encdec_engine.layers.int8_linear import quantize_linears
+    from encdec_engine.models.encdec_layers import EncDecAttention
+
+    torch.manual_seed(0)
+    heads = 3
+    attn = EncDecAttention(heads * head_dim, heads, AttentionType.ENCODER, TorchSDPABackend(16), prescale_query=True)
+    for p in attn.parameters():
+        p.data.normal_(0, 0.3)
+    x = torch.randn(7, heads * head_dim)
+    view = AttentionView.from_arrays([0, 7], [7], causal=False, key_start_loc=[0])
+    metadata = AttentionMetadata(decoder=None, encoder=view)
+    plain = copy.deepcopy(attn)
+    assert attn.fold_query_scaling() is folds
+    assert torch.equal(attn.qkv_proj.weight[: heads * head_dim] != plain.qkv_proj.weight[: heads * head_dim],
+                       torch.full_like(attn.qkv_proj.weight[: heads * head_dim], folds, dtype=torch.bool))
+    with torch.inference_mode():
+        assert torch.equal(attn(x, None, metadata), plain(x, None, metadata))
+        quantize_linears(attn)
+        quantize_linears(plain)
+        assert torch.equal(attn(x, None, metadata), plain(x, None, metadata))
+    assert not attn.fold_query_scaling()  # once only

@@ -13,6 +13,7 @@ from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
 from encdec_engine.layers.cpu_kernels import prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
+from encdec_engine.models.encdec_layers import EncDecAttention
 from encdec_engine.models.generation_config import load_generation_config
 from encdec_engine.models.model_names import is_short_name, resolve_model_name
 from encdec_engine.models.tokenizer_files import load_tokenizer, tokenizer_if_any
@@ -103,6 +104,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     except ValueError as e:  # a tensor of the wrong shape, one missing or left over
         raise ValueError(f"{path}: the weights ({', '.join(f.name for f in files)}) do not fit config.json: {e}") from e
     model = model.to(device=device, dtype=dtype).eval()
+    for module in model.modules():
+        if isinstance(module, EncDecAttention):
+            module.fold_query_scaling()
     prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (layers/cpu_kernels.py)
 
     eos = hf_config.eos_token_id

@@ -7,6 +7,8 @@ cross-attention) the decoder, post-norm (BART) or pre-norm (Whisper).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -21,7 +23,8 @@ class EncDecAttention(nn.Module):
     """Fused q/k/v projection (self-attention) or q + fused k/v (cross-attention).
 
     `prescale_query` scales q before attention instead of inside it (Whisper
-    does, and the order of rounding must match HF's to keep parity).
+    does, and the order of rounding must match HF's to keep parity); where that is
+    exact, the scaling is folded into the q projection at load (`fold_query_scaling`).
     """
 
     def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType, backend: AttentionBackend,
@@ -40,7 +43,27 @@ class EncDecAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(d_model, 3 * d_model)
         self.out_proj = nn.Linear(d_model, d_model)
+        self.query_scaling_folded = False  # see fold_query_scaling
         self.attn = Attention(num_heads, head_dim, 1.0 if prescale_query else self.scaling, attn_type, backend)
+
+    def fold_query_scaling(self) -> bool:
+        """Scale the q projection's rows (weight and bias) once instead of q at every call, when that
+        gives the same bits: fp32 weights and a power-of-two scaling (head_dim 64: 1/8, every Whisper).
+        A power of two scales every product and partial sum of the matmul exactly, so
+        x @ (s W).T + s b == (x @ W.T + b) * s bit for bit, and the int8 rows quantize to the same
+        values with s times the scale. Call after loading, before the linears are packed or quantized."""
+        if not self.prescale_query or self.query_scaling_folded or math.frexp(self.scaling)[0] != 0.5:
+            return False
+        proj = self.q_proj if self.attn_type == AttentionType.ENCODER_DECODER else self.qkv_proj
+        if type(proj) is not nn.Linear or proj.weight.dtype != torch.float32:  # packed or quantized already
+            return False
+        rows = self.out_proj.in_features
+        with torch.no_grad():
+            proj.weight[:rows] *= self.scaling
+            if proj.bias is not None:
+                proj.bias[:rows] *= self.scaling
+        self.query_scaling_folded = True
+        return True
 
     def forward(
         self,
@@ -56,7 +79,7 @@ class EncDecAttention(nn.Module):
                 k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)
         else:
             q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
-        if self.prescale_query:
+        if self.prescale_query and not self.query_scaling_folded:
             q = q * self.scaling
         out = self.attn(q, k, v, kv_cache, metadata)
         if metadata.capture is not None and self.attn_type == AttentionType.ENCODER_DECODER:
