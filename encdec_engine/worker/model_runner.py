@@ -275,7 +275,9 @@ class ModelRunner:
         sampled = [i for i, r in enumerate(rows) if not r.group.sampling_params.use_beam_search]
         if sampled:
             idx = [i for i in sampled for _ in range(rows[i].group.fanout)]
-            samples = iter(self.sampler(logits[idx], [sampling[i] for i in idx]))
+            # The sampler edits its logits in place; the beam rows took their copy above.
+            rows_logits = logits if idx == list(range(len(rows))) else logits[idx]
+            samples = iter(self.sampler(rows_logits, [sampling[i] for i in idx]))
             for i in sampled:
                 outputs[i] = RowOutput(rows[i].group_index, rows[i].seq_id,
                                        [next(samples) for _ in range(rows[i].group.fanout)])
