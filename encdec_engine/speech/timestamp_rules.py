@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -50,6 +51,10 @@ class TimestampRules:
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> None:
         begin = self.timestamp_begin
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            # Edited through a numpy view of the row: each fill and reduction below costs 1-7 us there,
+            # 4-25 through torch (this rule ran ~0.1 ms of a ~5 ms tiny.en int8 step).
+            logits = logits.numpy()
         logits[self.no_timestamps_token_id] = NEG_INF
 
         seq = output_token_ids
@@ -82,9 +87,18 @@ class TimestampRules:
         if self.detect_from_logprob:
             # Over the already-edited scores, as HF does. HF compares log-probabilities; the log-softmax
             # normalizer is common to both sides, so the logits are compared (no pass over the vocab).
-            timestamp_logit = logits[begin:].float().logsumexp(dim=-1)
-            if timestamp_logit > logits[:begin].max():
+            if _logsumexp(logits[begin:]) > logits[:begin].max():
                 logits[:begin] = NEG_INF
+
+
+def _logsumexp(x: torch.Tensor | np.ndarray) -> float:
+    """log(sum(exp(x))) of a float32 row, a tensor or a numpy array; -inf if every entry is."""
+    if isinstance(x, torch.Tensor):
+        return float(x.float().logsumexp(dim=-1))
+    top = x.max()
+    if top == NEG_INF:
+        return NEG_INF
+    return float(top + np.log(np.exp(x - top).sum()))
 
 
 def timestamp_rules_from_generation_config(gc: Any) -> TimestampRules:

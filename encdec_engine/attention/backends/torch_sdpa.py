@@ -285,14 +285,19 @@ class TorchSDPABackend:
                     continue
                 keys_t, v = k.permute(1, 2, 0), v.transpose(0, 1)
             n = len(rows)
-            q = query[rows[0]] if n == 1 else query[rows]  # [H, D] or [n, H, D]
-            # [Hkv, n * G, D]: each kv head's queries from every reader, reader-major
-            q = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, n * group, head_dim)
+            if n == 1:  # [Hkv, G, D]: the kv heads' queries, a view
+                q = query[rows[0]].view(num_kv_heads, group, head_dim)
+            else:  # [Hkv, n * G, D]: each kv head's queries from every reader, reader-major
+                q = query[rows].view(n, num_kv_heads, group, head_dim).transpose(0, 1)
+                q = q.reshape(num_kv_heads, n * group, head_dim)
             if scale != 1.0:  # 1.0: the model scaled the queries itself (Whisper)
                 q = q * scale
             probs = torch.softmax(torch.bmm(q, keys_t), dim=-1)  # [Hkv, n*G, L]
             o = torch.bmm(probs, v).to(query.dtype)  # [Hkv, n * G, D]
-            o = o.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, -1, head_dim)
+            if n == 1:
+                o = o.view(1, -1, head_dim)
+            else:
+                o = o.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, -1, head_dim)
             if n == len(query):  # one context read by every sequence (one sequence, or one request's beams)
                 return o
             if n == 1:
