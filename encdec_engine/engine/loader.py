@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
@@ -74,6 +76,28 @@ def make_backend(config: EngineConfig, device: torch.device):
     return TorchSDPABackend(config.block_size)
 
 
+# The torch.nn.init functions module constructors call (reset_parameters).
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "xavier_uniform_",
+                   "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextmanager
+def _without_init():
+    """Module constructors leave their parameters as allocated: the checkpoint overwrites them all."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS if hasattr(nn.init, name)}
+    for name in saved:
+        setattr(nn.init, name, _keep)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     from transformers import AutoConfig
 
@@ -92,10 +116,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device, dtype = config.torch_device, config.torch_dtype
     backend = make_backend(config, device)
     cls = resolve_model_class(hf_config)
-    # Build without initializing weights: every parameter is overwritten by the checkpoint.
-    with torch.device("meta"):
+    # Build without initializing weights (every parameter is overwritten by the checkpoint; one it lacks
+    # fails the load). Allocated on the CPU, not on the meta device: each meta op runs torch's Python
+    # reference kernels, which import torch._dynamo and sympy (~2 s of every start-up).
+    with _without_init():
         model = cls(hf_config, backend)
-    model = model.to_empty(device="cpu")
     for buf in model.buffers():
         buf.zero_()
     files = weight_files(path)
