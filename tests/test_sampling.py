@@ -173,3 +173,17 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_add_time(llm, bad):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} .*vocabulary"):
         llm.generate(["The rain in spain"], SamplingParams(temperature=0, max_tokens=4, **bad), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_argmax_rows_is_torch_argmax():
+    """The CPU argmax (numpy's) gives torch's answer: the first maximum, NaN counting as the largest."""
+    from encdec_engine.layers.sampler import argmax_rows
+
+    x = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    x[1] = float("-inf")
+    x[2, [5, 700]] = float("nan")
+    x[3, [10, 20]] = 99.0
+    x[4] = 1.0
+    x[5, 3], x[5, 9] = float("inf"), float("nan")
+    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [int(x[0].argmax()), 0, 5, 10, 0, 9]
+    assert argmax_rows(x.double()).tolist() == x.argmax(dim=-1).tolist()  # not float32: torch's own

@@ -95,6 +95,15 @@ def test_single_rows_match_hf(width):
     assert text_banned > 30 and not_banned > 30  # both outcomes of the logprob rule were exercised
 
 
+def test_rows_outside_the_numpy_path_match_hf():
+    """Rows that are not float32 on the CPU (half precision, CUDA) are edited through torch, not numpy."""
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    for _ in range(100):
+        prompt = [rng.randrange(TS_BEGIN) for _ in range(rng.randrange(1, 5))]
+        rules, hf = processors(rng.choice([None, 1, 50]), len(prompt))
+        compare(rules, hf, [prompt], [random_generated(rng)], random_logits(rng, gen, 1, VOCAB).double())
+
+
 def test_batches_match_hf():
     rng, gen = random.Random(1), torch.Generator().manual_seed(1)
     for _ in range(60):
