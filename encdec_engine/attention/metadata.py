@@ -37,6 +37,12 @@ class AttentionType(enum.Enum):
     ENCODER_DECODER = enum.auto()  # cross-attention: non-causal, paged cross cache
 
 
+def host_to_device(array, device: torch.device | str) -> torch.Tensor:
+    """A host array as a tensor on `device`; on the CPU it shares the array's memory (no copy, no `.to`)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if torch.device(device).type == "cpu" else tensor.to(device, non_blocking=True)
+
+
 # The AttentionMetadata field each attention type reads.
 _VIEW_OF = {AttentionType.DECODER: "decoder", AttentionType.ENCODER: "encoder", AttentionType.ENCODER_DECODER: "cross"}
 
@@ -72,11 +78,9 @@ class AttentionView:
         the per-sequence loops use. `tensors` are slot_mapping and/or block_tables."""
         query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
         key_lens = np.asarray(key_lens, dtype=np.int64)
-        on_cpu = torch.device(device).type == "cpu"
 
         def to_device(array) -> torch.Tensor:
-            tensor = torch.from_numpy(np.ascontiguousarray(array))
-            return tensor if on_cpu else tensor.to(device, non_blocking=True)
+            return host_to_device(array, device)
 
         query_start_loc_list, key_lens_list = query_start_loc.tolist(), key_lens.tolist()
         return cls(

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from encdec_engine.attention.capture import CaptureRequest, CrossCapture
-from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
+from encdec_engine.attention.metadata import AttentionMetadata, AttentionView, host_to_device
 from encdec_engine.sequence import SequenceGroupMetadata
 from encdec_engine.layers.logits_processors import SamplingRow
 from encdec_engine.layers.sampler import Sampler, beam_log_probs
@@ -96,7 +96,7 @@ class ModelRunner:
 
     # -- input preparation ---------------------------------------------------
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        return host_to_device(array, self.device)
 
     def _view(self, query_start_loc: np.ndarray, key_lens: np.ndarray, causal: bool, **arrays) -> AttentionView:
         return AttentionView.from_arrays(query_start_loc, key_lens, causal, self.device, **arrays)
@@ -220,11 +220,10 @@ class ModelRunner:
         data = [r.group.seq_data[r.seq_id] for r in rows]
         block_table = pad_rows([r.group.block_tables[r.seq_id] for r in rows])
         seq_lens = np.array([len(d) for d in data], dtype=np.int64)
-        positions = seq_lens - 1
+        dec = prepare_token_arrays(np.ones(len(rows), dtype=np.int64), seq_lens - 1, block_table, self.block_size)
         input_ids = np.array([(d.output_token_ids or d.prompt_token_ids)[-1] for d in data], dtype=np.int64)
-        blocks = block_table[np.arange(len(rows)), positions // self.block_size]
-        batch = DecodeBatch(input_ids=input_ids, positions=positions, block_tables=block_table, seq_lens=seq_lens,
-                            slot_mapping=blocks * self.block_size + positions % self.block_size)
+        batch = DecodeBatch(input_ids=input_ids, positions=dec.positions, slot_mapping=dec.slot_mapping,
+                            block_tables=block_table, seq_lens=dec.seq_lens)
         if rows[0].group.encoder_seq_data is not None:
             batch.encoder_lens = np.array([r.group.encoder_seq_data.num_positions for r in rows], dtype=np.int64)
             batch.cross_block_tables = pad_rows([r.group.cross_block_table for r in rows])
