@@ -387,3 +387,24 @@ def test_query_scaling_folds_into_the_projection_bit_for_bit(head_dim, folds):
         quantize_linears(plain)
         assert torch.equal(attn(x, None, metadata), plain(x, None, metadata))
     assert not attn.fold_query_scaling()  # once only
+
+
+def test_a_lone_sequence_reads_its_caches_in_place(make_llm, monkeypatch):
+    """One request decoding alone (the one-file job): its cross table is a run and its self table grows
+    into the blocks after it, so every decode step reads both contexts in place, none gathered."""
+    from encdec_engine.attention.backends.torch_sdpa import _SlicePlan
+
+    llm = make_llm(default_model_path(), enable_prefix_caching=False)
+    backend, plans = llm.engine.runner.backend, []
+    plan = backend.plan
+
+    def recording_plan(metadata):
+        plan(metadata)
+        if metadata.decoder.max_query_len == 1:
+            plans.append((type(metadata.decoder.plan), type(metadata.cross.plan)))
+
+    monkeypatch.setattr(backend, "plan", recording_plan)
+    features = log_mel_spectrogram([load_audio(AUDIO / "weather.wav")])[0]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # the self table spans 3 blocks
+    llm.generate([{"prompt": "", "multi_modal_data": {"input_features": features}}], params, use_tqdm=False)
+    assert len(plans) == 39 and set(plans) == {(_SlicePlan, _SlicePlan)}
