@@ -32,10 +32,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import engine_generator, same_tokens  # noqa: E402
 from bench_whisper import cpu_line  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-AUDIO = ROOT / "prompts" / "audio" / "long_meeting.flac"
 SHAPES = ((1152, 384), (384, 384), (768, 384), (1536, 384), (384, 1536))  # tiny.en's [out, in] linears
 
 
@@ -80,32 +79,26 @@ def engine(kernel: str):
 
 
 def in_situ(args) -> None:
-    from encdec_engine import SamplingParams
-    from encdec_engine.speech.audio import load_audio
-    from encdec_engine.speech.features import log_mel_spectrogram
-
     engines = {"oneDNN": engine("onednn"), "MKL decoder": engine("mkl")}
-    features = log_mel_spectrogram([load_audio(AUDIO)[: 16000 * 30]])[0]
-    prompt = {"prompt": "", "multi_modal_data": {"input_features": features}}
+    generators = {name: engine_generator(llm) for name, llm in engines.items()}
 
-    def generate(llm, tokens: int) -> tuple[float, list[int]]:
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    def generate(name: str, tokens: int) -> tuple[float, list[int]]:
         start = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-        return time.perf_counter() - start, list(out)
+        out = generators[name](tokens)
+        return time.perf_counter() - start, out
 
     steps: dict[str, list[float]] = {name: [] for name in engines}
-    tokens = {name: generate(llm, args.tokens)[1] for name, llm in engines.items()}  # warm-up
+    tokens = {name: generate(name, args.tokens)[1] for name in engines}  # warm-up
     for _ in range(args.rounds):
-        for name, llm in engines.items():
-            low, high = generate(llm, args.tokens_low)[0], generate(llm, args.tokens)[0]
+        for name in engines:
+            low, high = generate(name, args.tokens_low)[0], generate(name, args.tokens)[0]
             steps[name].append((high - low) / (args.tokens - args.tokens_low) * 1e3)
     base = statistics.median(steps["oneDNN"])
     for name, times in steps.items():
         print(f"{name:<14} step median {statistics.median(times):.2f} ms (min {min(times):.2f}), "
               f"{base / statistics.median(times):.2f}x oneDNN's")
     a, b = tokens.values()
-    print(f"tokens equal at their position: {sum(x == y for x, y in zip(a, b))} of {len(a)}")
+    print(f"tokens equal at their position: {same_tokens(a, b)} of {len(a)}")
 
 
 def main() -> int:

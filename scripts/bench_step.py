@@ -34,6 +34,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,24 +65,36 @@ def ct2_worker(args) -> dict:
     return measure(generate, args)
 
 
-def engine_worker(args) -> dict:
-    import torch
-
-    from encdec_engine import LLM, SamplingParams
-    from encdec_engine.models.ct2_import import default_model_path
+def engine_generator(llm) -> Callable[[int], list[int]]:
+    """generate(new_tokens) -> the tokens `llm` decodes greedily for the first 30 s of long_meeting, end of
+    text banned."""
+    from encdec_engine import SamplingParams
     from encdec_engine.speech.audio import load_audio
     from encdec_engine.speech.features import log_mel_spectrogram
 
-    torch.set_num_threads(args.threads)
-    llm = LLM(model=str(default_model_path()), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-              enable_prefix_caching=False)  # the encoder output of a former pass would be reused
     features = log_mel_spectrogram([load_audio(AUDIO)[:WINDOW_SAMPLES]])[0]
     prompt = {"prompt": "", "multi_modal_data": {"input_features": features}}
 
     def generate(new_tokens: int) -> list[int]:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        return list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        tokens = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        if len(tokens) != new_tokens:
+            raise RuntimeError(f"generated {len(tokens)} tokens, asked for {new_tokens}")
+        return tokens
 
+    return generate
+
+
+def engine_worker(args) -> dict:
+    import torch
+
+    from encdec_engine import LLM
+    from encdec_engine.models.ct2_import import default_model_path
+
+    torch.set_num_threads(args.threads)
+    llm = LLM(model=str(default_model_path()), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              enable_prefix_caching=False)  # the encoder output of a former pass would be reused
+    generate = engine_generator(llm)
     result = measure(generate, args)
     with PartTimers() as timers:  # one more pass of each length, timed by parts
         generate(args.tokens_low)
