@@ -147,10 +147,47 @@ def test_calibration_times_every_kernel_on_every_probe():
     assert ("a", (1, 8), (16, 8)) in calls and ("b", (4, 8), (16, 8)) in calls
 
 
+def test_calibration_is_kept_per_machine(tmp_path, monkeypatch):
+    """The first process times the kernels and keeps the timings; a later one with the same key (CPU, torch,
+    threads, kernels, probes) takes them without timing; another key, ENCDEC_RECALIBRATE or a damaged file
+    times them again."""
+    monkeypatch.delenv("ENCDEC_RECALIBRATE", raising=False)
+    path = tmp_path / "cache" / cpu_kernels.CALIBRATION_FILE
+    probes = (("decode", 1, 8, 16, 2),)
+    runs = []
+
+    def kernel(name):
+        return lambda weight, bias: lambda x: runs.append(name) or x @ weight.T
+
+    kernels = {"a": kernel("a"), "b": kernel("b")}
+    first, source = cpu_kernels.calibrate_once(kernels, probes, path)
+    assert source is None and set(first) == {"a/decode", "b/decode"} and runs
+    runs.clear()
+    again, source = cpu_kernels.calibrate_once(kernels, probes, path)
+    assert (again, source, runs) == (first, path, [])
+    other, source = cpu_kernels.calibrate_once(kernels, (("decode", 2, 8, 16, 2),), path)  # another probe set
+    assert source is None and runs
+    assert len(json.loads(path.read_text())) == 2  # both kept
+    runs.clear()
+    monkeypatch.setenv("ENCDEC_RECALIBRATE", "1")
+    assert cpu_kernels.calibrate_once(kernels, probes, path)[1] is None and runs
+    monkeypatch.delenv("ENCDEC_RECALIBRATE")
+    path.write_text("{not json")
+    runs.clear()
+    assert cpu_kernels.calibrate_once(kernels, probes, path)[1] is None and runs
+    assert cpu_kernels.calibrate_once(kernels, probes, path)[1] == path  # rewritten whole
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    timings, source = cpu_kernels.calibrate_once(kernels, probes, blocked / "sub" / "k.json")  # cannot be written
+    assert source is None and set(timings) == {"a/decode", "b/decode"}
+
+
 def test_plan_describes_what_runs():
     assert "MKL" in CpuLinearPlan("AVX2", "mkl").describe()
     text = CpuLinearPlan("AVX512", "mkl", "int8pack", {"fbgemm/decode": 1e-4}).describe()
     assert "AVX512" in text and "_weight_int8pack_mm" in text and "fbgemm/decode 0.10 ms" in text
+    kept = CpuLinearPlan("AVX2", "onednn", None, {"mkl/decode": 1e-4}, Path("/c/cpu_kernels.json")).describe()
+    assert "oneDNN" in kept and "kept in /c/cpu_kernels.json" in kept
 
 
 def test_int8_config_is_validated():
