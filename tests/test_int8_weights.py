@@ -176,6 +176,9 @@ def test_calibration_is_kept_per_machine(tmp_path, monkeypatch):
     runs.clear()
     assert cpu_kernels.calibrate_once(kernels, probes, path)[1] is None and runs
     assert cpu_kernels.calibrate_once(kernels, probes, path)[1] == path  # rewritten whole
+    edited = json.loads(path.read_text())
+    path.write_text(json.dumps({key: {name: "fast" for name in value} for key, value in edited.items()}))
+    assert cpu_kernels.calibrate_once(kernels, probes, path)[1] is None  # timings that are not numbers
     blocked = tmp_path / "file"
     blocked.write_text("")
     timings, source = cpu_kernels.calibrate_once(kernels, probes, blocked / "sub" / "k.json")  # cannot be written

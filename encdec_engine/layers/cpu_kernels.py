@@ -153,7 +153,8 @@ def calibrate_once(kernels: dict[str, Callable], probes: tuple = PROBES,
     known = _read_calibrations(path)
     cached = known.get(key)
     if not os.environ.get("ENCDEC_RECALIBRATE") and isinstance(cached, dict) and \
-            set(cached) == {f"{k}/{p[0]}" for k in kernels for p in probes}:
+            set(cached) == {f"{k}/{p[0]}" for k in kernels for p in probes} and \
+            all(isinstance(s, (int, float)) for s in cached.values()):
         return {name: float(s) for name, s in cached.items()}, path
     timings = calibrate(kernels, probes)
     try:
