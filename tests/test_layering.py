@@ -10,7 +10,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "encdec_engine"
 LEVELS = {
-    "sequence": 0, "sampling_params": 0, "outputs": 0, "config": 0,
+    "sequence": 0, "sampling_params": 0, "outputs": 0, "config": 0, "cache": 0,
     "attention": 1, "layers": 1,
     "models": 2,
     "worker": 3,

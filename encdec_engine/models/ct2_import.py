@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from encdec_engine.models.ct2_format import dequantize, read_ct2_header, read_ct2_variables
-from encdec_engine.models.model_names import cache_root
+from encdec_engine.cache import cache_root
 
 _GELU = 3  # ctranslate2.specs.common_spec.Activation.GELU
 _MARKER = ".encdec-import.json"

