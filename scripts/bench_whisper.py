@@ -39,7 +39,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -246,19 +245,20 @@ def wer(refs: list[str], hyps: list[str]) -> float:
 
 
 def cpu_line() -> str:
-    flags, model = set(), platform.processor()
+    import torch
+
+    from encdec_engine.layers.cpu_kernels import cpu_model
+
+    flags = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
+            if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
+                break
     except OSError:
         pass
     shown = sorted(f for f in flags if re.match(r"avx|fma|f16c|amx|sse4_2", f))
-    import torch
-
-    return (f"CPU: {model}, {os.cpu_count()} cores; flags: {' '.join(shown)}; "
+    return (f"CPU: {cpu_model()}, {os.cpu_count()} cores; flags: {' '.join(shown)}; "
             f"torch {torch.__version__} CPU capability {torch.backends.cpu.get_cpu_capability()}")
 
 

@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from encdec_engine.cache import cache_root
 from encdec_engine.layers.int8_linear import Int8Weight, fbgemm_available, is_float_cpu, quantize_linears
 from encdec_engine.layers.linear import PackedWeight, onednn_packing_available, pack_linears, packs
-from encdec_engine.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
