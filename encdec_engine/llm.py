@@ -12,6 +12,7 @@ from encdec_engine.config import EngineConfig
 from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.inputs.prompts import PromptType
 from encdec_engine.models.model_names import DEFAULT_MODEL
+from encdec_engine.models.whisper_tokenizer import WhisperTextTokenizer
 from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.speech.audio import audio_inputs
@@ -50,7 +51,10 @@ class LLM:
             self._busy = None
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        """The checkpoint's transformers tokenizer (None with skip_tokenizer_init). For a Whisper
+        tokenizer the engine reads without transformers, this loads transformers' at the first call."""
+        tokenizer = self.engine.tokenizer
+        return tokenizer.transformers_tokenizer() if isinstance(tokenizer, WhisperTextTokenizer) else tokenizer
 
     def generate(
         self,

@@ -424,19 +424,18 @@ def test_openai_whisper_defaults_equal_tiny_en_generation_config(caplog):
            "defaults" in record.message
 
 
-def test_fields_transformers_drops_are_read_from_the_json(bases, tmp_path, caplog):
+def test_fields_transformers_drops_are_read_from_the_json(bases, tmp_path):
     from encdec_engine.models.generation_config import load_generation_config
     from transformers import AutoConfig
 
     folder = tmp_path / "whisper"
     shutil.copytree(bases["whisper"], folder)
     from_model_config(folder)
-    with caplog.at_level("INFO", logger="encdec_engine"):
-        gc = load_generation_config(folder, AutoConfig.from_pretrained(folder))
+    assert not hasattr(GenerationConfig.from_pretrained(folder), "no_timestamps_token_id")  # transformers drops it
+    gc = load_generation_config(folder, AutoConfig.from_pretrained(folder))
     full = GenerationConfig.from_pretrained(bases["whisper"])
     assert (gc.no_timestamps_token_id, gc.alignment_heads, gc.max_initial_timestamp_index) == \
         (full.no_timestamps_token_id, full.alignment_heads, full.max_initial_timestamp_index)
-    assert any("restored" in r.message and "no_timestamps_token_id" in r.message for r in caplog.records)
 
 
 # -- what cannot be served fails at load, naming the file and the field ------------------------

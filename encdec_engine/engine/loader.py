@@ -17,6 +17,7 @@ from encdec_engine.layers.cpu_kernels import prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.encdec_layers import EncDecAttention
 from encdec_engine.models.generation_config import load_generation_config
+from encdec_engine.models.model_config import read_whisper_config
 from encdec_engine.models.model_names import is_short_name, resolve_model_name
 from encdec_engine.models.tokenizer_files import load_tokenizer, tokenizer_if_any
 from encdec_engine.models.weights import iter_checkpoint, weight_files
@@ -98,11 +99,19 @@ def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return tensor
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def read_model_config(path: Path):
+    """The checkpoint's config: Whisper's read directly (models/model_config.py), others by `AutoConfig`."""
+    config = read_whisper_config(path)
+    if config is not None:
+        return config
     from transformers import AutoConfig
 
+    return AutoConfig.from_pretrained(path)
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
     path = resolve_model_path(config.model)
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = read_model_config(path)
     tokenizer_path = resolve_model_path(config.tokenizer) if config.tokenizer else path
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(tokenizer_path)
     generation_config = load_generation_config(path, hf_config)

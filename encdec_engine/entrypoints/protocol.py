@@ -432,10 +432,8 @@ def audio_usage(t: Transcription) -> AudioUsage:
 
 def language_name(code: str | None) -> str:
     """"en" -> "english", as OpenAI names languages."""
-    try:
-        from transformers.models.whisper.tokenization_whisper import LANGUAGES
-    except ImportError:
-        return code or "english"
+    from encdec_engine.models.whisper_languages import LANGUAGES
+
     return LANGUAGES.get(code or "en", code or "english")
 
 

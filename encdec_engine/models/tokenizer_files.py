@@ -1,6 +1,8 @@
 """Loading a checkpoint's tokenizer from whichever files it ships.
 
-transformers reads every layout we serve: `tokenizer.json` (the fast tokenizer),
+A Whisper `tokenizer.json` in the layout transformers 5 writes is read with `tokenizers` alone
+(models/whisper_tokenizer.py), sparing the transformers import. Otherwise transformers reads
+every layout we serve: `tokenizer.json` (the fast tokenizer),
 the slow files `vocab.json` + `merges.txt` (byte-level BPE: BART, GPT-2, Whisper;
 special tokens from `tokenizer_config.json` / `added_tokens.json`), and a
 SentencePiece `tokenizer.model` (Llama), which it converts with the optional
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+from encdec_engine.models.whisper_tokenizer import read_whisper_tokenizer
 
 TOKENIZER_JSON = "tokenizer.json"
 BPE_FILES = ("vocab.json", "merges.txt")
@@ -44,10 +48,14 @@ def check_tokenizer_files(folder: Path) -> None:
 
 
 def load_tokenizer(folder: Path):
-    """The folder's tokenizer, through `AutoTokenizer`."""
+    """The folder's tokenizer: a Whisper tokenizer.json read directly (models/whisper_tokenizer.py),
+    anything else through `AutoTokenizer`."""
+    check_tokenizer_files(folder)
+    tokenizer = read_whisper_tokenizer(folder)
+    if tokenizer is not None:
+        return tokenizer
     from transformers import AutoTokenizer
 
-    check_tokenizer_files(folder)
     return AutoTokenizer.from_pretrained(folder)
 
 

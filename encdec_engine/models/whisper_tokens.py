@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from encdec_engine.models.whisper_languages import LANGUAGES, TO_LANGUAGE_CODE
+
 TIME_PRECISION = 0.02  # seconds per timestamp token step
 
 
@@ -83,16 +85,12 @@ class WhisperTokens:
 def language_code(language: str) -> str:
     """Whisper's code for a language given as a code, a token or a name, any case:
     "EN", "<|en|>", "English" -> "en". Unknown names come back lowercased, for the caller to refuse."""
-    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-
     key = language.strip().lower().removeprefix("<|").removesuffix("|>")
     return TO_LANGUAGE_CODE.get(key, key)
 
 
 def known_language_code(language: str) -> str:
     """`language_code`, refusing what names no language Whisper knows (ValueError listing the codes)."""
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
     code = language_code(language)
     if code not in LANGUAGES:
         raise ValueError(f"{language!r} is not a language Whisper knows; give a code ({', '.join(sorted(LANGUAGES))}) "

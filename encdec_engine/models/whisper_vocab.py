@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from encdec_engine.models.whisper_languages import LANGUAGES
 from encdec_engine.models.whisper_defaults import (MAX_INITIAL_TIMESTAMP_INDEX, begin_suppress_tokens,
                                                    suppress_tokens)
 
@@ -61,8 +62,6 @@ class WhisperLayout:
 
     def ids(self) -> dict[str, int]:
         """Token string -> id for every special token before the timestamps."""
-        from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
         languages = list(LANGUAGES)
         if not 0 < self.num_languages <= len(languages):
             raise ValueError(f"vocab_size {self.vocab_size} is none of openai-whisper's layouts "
@@ -99,8 +98,6 @@ class _Sources:
         return self.layout_ids(field, token)[token]
 
     def languages(self) -> dict[str, int]:
-        from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
         found = {f"<|{code}|>": self.vocab[f"<|{code}|>"] for code in LANGUAGES if f"<|{code}|>" in self.vocab}
         if found:
             self.note("the tokenizer vocabulary", "lang_to_id")

@@ -29,21 +29,46 @@ def pad_or_trim(samples: np.ndarray | torch.Tensor, length: int = N_SAMPLES) -> 
     return np.pad(samples, widths)
 
 
+# The Slaney mel scale (librosa's default, which Whisper's filters use): 3 mels per 200 Hz up to 1 kHz
+# (mel 15), then logarithmic: 27 mels per factor 6.4. Written in the order of operations of
+# transformers' `audio_utils`, so that the float64 filters come out identical.
+_LOG_START_HZ = 1000.0
+_LOG_START_MEL = 15.0
+_LOG_HZ_PER_MEL = np.log(6.4) / 27.0
+
+
+def _hz_to_mel(hz: float) -> float:
+    if hz < _LOG_START_HZ:
+        return 3.0 * hz / 200.0
+    return _LOG_START_MEL + np.log(hz / _LOG_START_HZ) * (27.0 / np.log(6.4))
+
+
+def _mel_to_hz(mels: np.ndarray) -> np.ndarray:
+    hz = 200.0 * mels / 3.0
+    log_part = mels >= _LOG_START_MEL
+    hz[log_part] = _LOG_START_HZ * np.exp(_LOG_HZ_PER_MEL * (mels[log_part] - _LOG_START_MEL))
+    return hz
+
+
+def mel_filter_bank(n_mels: int) -> np.ndarray:
+    """Whisper's triangular filters, area-normalized (Slaney), over the 0-8 kHz bins of a 400-point FFT:
+    [n_mels, 201] in float64. The same numbers as `WhisperFeatureExtractor`'s filters, bit for bit."""
+    n_freqs = 1 + N_FFT // 2
+    # n_mels + 2 edges evenly spaced in mels; filter i rises from edge i to i + 1 and falls to i + 2.
+    edges = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(SAMPLE_RATE / 2), n_mels + 2))
+    bins = np.linspace(0, SAMPLE_RATE // 2, n_freqs)
+    widths = np.diff(edges)
+    offsets = edges[None, :] - bins[:, None]  # [n_freqs, n_mels + 2]
+    rising = -offsets[:, :-2] / widths[:-1]
+    falling = offsets[:, 2:] / widths[1:]
+    filters = np.maximum(np.zeros(1), np.minimum(rising, falling))  # [n_freqs, n_mels]
+    filters *= (2.0 / (edges[2:] - edges[:-2]))[None, :]
+    return filters.T
+
+
 @lru_cache(maxsize=8)
 def _mel_filters(n_mels: int, device: torch.device) -> torch.Tensor:
-    # The exact slaney filter bank HF builds in float64, so results match it bit for bit.
-    from transformers.audio_utils import mel_filter_bank
-
-    filters = mel_filter_bank(
-        num_frequency_bins=1 + N_FFT // 2,
-        num_mel_filters=n_mels,
-        min_frequency=0.0,
-        max_frequency=SAMPLE_RATE / 2,
-        sampling_rate=SAMPLE_RATE,
-        norm="slaney",
-        mel_scale="slaney",
-    )  # filters: [n_freqs=201, n_mels]
-    return torch.from_numpy(filters.T.copy()).to(device=device, dtype=torch.float32)  # [n_mels, 201]
+    return torch.from_numpy(mel_filter_bank(n_mels).copy()).to(device=device, dtype=torch.float32)  # [n_mels, 201]
 
 
 @lru_cache(maxsize=8)
