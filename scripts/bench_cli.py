@@ -11,12 +11,12 @@ spawn to exit, the systems taking turns for `--rounds` rounds (best and median k
                     the text written to a file), fp32 and int8, in its own venv
     whisper.cpp:    the same through pywhispercpp with the ggml f16 file (optional)
 
-Then one instrumented engine process splits its time: importing torch, importing transformers
-(configs and the tokenizer come through it), building the LLM (tokenizer, weights, int8
-quantization, kernel choice), the first transcription, and a second one of the same file
-(the steady state `bench_whisper.py` reports; no encoder-output reuse). Printed: CPU model and flags, each system's
-wall seconds, its ratio to faster-whisper int8 (above 1: the row is faster), and its WER
-against the spoken text.
+Then one instrumented engine process splits its time: importing torch, importing the engine,
+building the LLM (config, tokenizer, weights, int8 quantization, kernel choice), the first
+transcription, and a second one of the same file (the steady state `bench_whisper.py` reports;
+no encoder-output reuse); and it says whether anything imported transformers (the Whisper path
+should not). Printed: CPU model and flags, each system's wall seconds, its ratio to
+faster-whisper int8 (above 1: the row is faster), and its WER against the spoken text.
 
     python scripts/bench_cli.py --fw-python /work/peer-venvs/fw/bin/python \\
         [--whispercpp-python P --ggml-model F] [--rounds 3] [--threads 2]
@@ -61,11 +61,9 @@ import json, sys, time
 marks = [("start", time.perf_counter())]
 import torch
 marks.append(("import torch", time.perf_counter()))
-import transformers
-from transformers import AutoConfig, AutoTokenizer  # the lazy module table is built at first attribute access
-marks.append(("import transformers", time.perf_counter()))
 from encdec_engine import LLM
 from encdec_engine.models.ct2_import import default_model_path
+marks.append(("import encdec_engine", time.perf_counter()))
 torch.set_num_threads(int(sys.argv[2]))
 # No encoder-output reuse: the second pass then redoes the whole job, as bench_whisper.py times it.
 llm = LLM(model=str(default_model_path()), quantization=sys.argv[3] or None, enable_prefix_caching=False)
@@ -73,7 +71,8 @@ marks.append(("build the LLM", time.perf_counter()))
 for name in ("first transcription", "second transcription"):
     llm.transcribe(sys.argv[1], language="en")
     marks.append((name, time.perf_counter()))
-print(json.dumps([(name, t - prev) for (name, t), (_, prev) in zip(marks[1:], marks)]))
+print(json.dumps({"phases": [(name, t - prev) for (name, t), (_, prev) in zip(marks[1:], marks)],
+                  "transformers imported": "transformers" in sys.modules}))
 """
 
 
@@ -155,8 +154,10 @@ def main() -> int:
               f"{wer([audio.text], [texts[name]]):7.2f}")
     print("x fw int8: faster-whisper int8's best wall time over the row's (above 1: the row is faster)")
     print("\nencdec (int8), one instrumented process:")
-    for name, seconds in json.loads(phases.stdout.strip().splitlines()[-1]):
+    split = json.loads(phases.stdout.strip().splitlines()[-1])
+    for name, seconds in split["phases"]:
         print(f"  {name:<24}{seconds:6.2f} s")
+    print(f"  transformers imported: {'yes' if split['transformers imported'] else 'no'}")
     return 0
 
 
