@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 
 from encdec_engine.models.whisper_languages import LANGUAGES
 from encdec_engine.models.whisper_defaults import (MAX_INITIAL_TIMESTAMP_INDEX, begin_suppress_tokens,
@@ -75,9 +76,13 @@ class WhisperLayout:
 class _Sources:
     """Looks ids up in the vocabulary, else in openai-whisper's layout, noting where each came from."""
 
-    def __init__(self, vocab: dict[str, int], layout: WhisperLayout, folder: str) -> None:
-        self.vocab, self.layout, self.folder = vocab, layout, folder
+    def __init__(self, tokenizer, layout: WhisperLayout, folder: str) -> None:
+        self.tokenizer, self.layout, self.folder = tokenizer, layout, folder
         self.fields: dict[str, list[str]] = {}  # source -> fields it gave
+
+    @cached_property
+    def vocab(self) -> dict[str, int]:  # built only when a field is missing (51,864 entries)
+        return self.tokenizer.get_vocab() if self.tokenizer is not None else {}
 
     def note(self, source: str, field: str) -> None:
         self.fields.setdefault(source, []).append(field)
@@ -112,7 +117,7 @@ def complete_whisper_generation_config(generation_config, hf_config, tokenizer, 
     `tokenizer` gives the vocabulary and openai-whisper's non-speech tokens (None: no tokenizer).
     A field that no source can give is a ValueError naming the file and the field."""
     gc, layout = generation_config, WhisperLayout(hf_config.vocab_size)
-    sources = _Sources(tokenizer.get_vocab() if tokenizer is not None else {}, layout, folder)
+    sources = _Sources(tokenizer, layout, folder)
     if getattr(gc, "no_timestamps_token_id", None) is None:
         gc.no_timestamps_token_id = sources.token("no_timestamps_token_id", "<|notimestamps|>")
     if getattr(gc, "prev_sot_token_id", None) is None:
