@@ -111,3 +111,27 @@ def test_cli_generate_reports_failed_requests_and_exits_1(bart_path, make_llm, m
     records = [json.loads(line) for line in out.splitlines()]
     assert rc == 1 and records and all(r["finish_reason"] == "error" and "injected" in r["error"] for r in records)
     assert err.count("failed: the model step running this request failed") == len(records)
+
+
+def test_encdec_program_leaves_without_teardown_after_a_one_shot_command(tmp_path, monkeypatch):
+    """`encdec transcribe` (the console script and `python -m`) ends with os._exit once its files are
+    written: everything it wrote and printed is there, and the exit code is the command's."""
+    r = run_cli("transcribe", "prompts/audio/weather.wav", "-o", str(tmp_path), "-f", "all")
+    assert r.returncode == 0, r.stderr
+    assert "beautiful day" in r.stdout
+    assert json.loads((tmp_path / "weather.json").read_text())["text"].strip().startswith("Today is")
+    assert {p.suffix for p in tmp_path.iterdir()} == {".json", ".srt", ".tsv", ".txt", ".vtt"}
+    r = run_cli("transcribe", "nope.wav", "-o", str(tmp_path))
+    assert r.returncode == 1 and "nope.wav" in r.stderr
+
+    from encdec_engine.entrypoints import cli
+
+    assert cli._main(["transcribe", str(tmp_path / "missing.wav")]) == (1, True)
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", lambda code: exits.append(code) or sys.exit(code))
+    for one_shot, expected in ((True, [3]), (False, [])):
+        exits.clear()
+        monkeypatch.setattr(cli, "_main", lambda argv: (3, one_shot))
+        with pytest.raises(SystemExit) as stop:
+            cli.run()
+        assert stop.value.code == 3 and exits == expected
