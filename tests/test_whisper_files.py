@@ -79,7 +79,9 @@ def _config_layouts(tmp: Path, tiny_en: Path) -> dict[str, Path]:
         "diff_only": _write_config(tmp / "diff", {"model_type": "whisper", "d_model": 512, "torch_dtype": "float16",
                                                   "decoder_layers": 6, "id2label": {"0": "a", "1": "b"},
                                                   "architectures": ["WhisperForConditionalGeneration"],
-                                                  "forced_decoder_ids": [[1, 50259]], "transformers_version": "4.27"}),
+                                                  "forced_decoder_ids": [[1, 50259]], "transformers_version": "4.27",
+                                                  "max_length": 448, "num_beams": 5, "suppress_tokens": [1, 2],
+                                                  "custom_field": {"kept": True}}),
     }
 
 
@@ -88,7 +90,7 @@ def test_config_reads_as_autoconfig(tmp_path, tiny_en_files):
         ours, hf = read_model_config(folder), AutoConfig.from_pretrained(folder)
         assert isinstance(ours, ModelConfig), name
         expected = {k: v for k, v in hf.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
-        assert {k: ours.to_dict().get(k) for k in expected} == expected, name
+        assert ours.to_dict() == expected, name
         for alias in WHISPER_ALIASES:
             assert getattr(ours, alias) == getattr(hf, alias), (name, alias)
     with pytest.raises(AttributeError, match="no 'not_a_field'"):
@@ -148,6 +150,22 @@ def test_generation_settings_read_as_transformers(tmp_path, tiny_en_files):
         assert ours.to_dict()["max_new_tokens"] is None  # the fields tests save and restore
 
 
+def test_generation_settings_legacy_bart_flag_and_bad_values(tmp_path):
+    folder = make_bart(tmp_path / "bart", "small")
+    (folder / "generation_config.json").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "force_bos_token_to_be_generated": True}))
+    hf = GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder))
+    ours = load_generation_config(folder, read_model_config(folder))
+    assert ours.forced_bos_token_id == hf.forced_bos_token_id == config["bos_token_id"]
+    for field, value, kind in [("num_beams", "4", "a whole number"), ("eos_token_id", [2, "x"], "a token id or a list"),
+                               ("early_stopping", "sometimes", 'true, false or "never"'), ("suppress_tokens", 5, "a list of token ids"),
+                               ("max_length", -1, "a whole number >= 0"), ("length_penalty", True, "a number")]:
+        (folder / "generation_config.json").write_text(json.dumps({"num_beams": 2, field: value}))
+        with pytest.raises(ValueError, match=rf"generation_config.json: {field} must be {kind}"):
+            load_generation_config(folder, read_model_config(folder))
+
+
 # -- tokenizer ----------------------------------------------------------------------------------
 
 def _tokenizer_layouts(tmp: Path, tiny_en: Path) -> dict[str, Path]:
@@ -180,8 +198,23 @@ def _tokenizer_layouts(tmp: Path, tiny_en: Path) -> dict[str, Path]:
         tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["id"] <= 50362]
         (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
 
+    def truncating(folder, settings, tokenizer):  # saved after a tokenizer(..., truncation=True, padding=...) call
+        tokenizer["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+        tokenizer["padding"] = {"strategy": {"Fixed": 12}, "direction": "Right", "pad_to_multiple_of": None,
+                                "pad_id": 50256, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+        settings["add_prefix_space"] = True
+        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+
+    def no_prompt_token(folder, settings, tokenizer):  # <|startofprev|> unknown: it reads as the unknown token
+        tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["content"] != "<|startofprev|>"]
+        settings["extra_special_tokens"] = [t for t in settings["extra_special_tokens"] if t != "<|startofprev|>"]
+        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+
     return {"tiny.en": tiny_en, "prefixed": copy("prefixed", prefixed), "hub_legacy": copy("hub_legacy", hub_legacy),
-            "no_timestamps": copy("no_timestamps", no_timestamps)}
+            "no_timestamps": copy("no_timestamps", no_timestamps), "truncating": copy("truncating", truncating),
+            "no_prompt_token": copy("no_prompt_token", no_prompt_token)}
 
 
 def assert_same_tokenizer(ours, hf, name: str) -> None:
@@ -194,6 +227,8 @@ def assert_same_tokenizer(ours, hf, name: str) -> None:
             assert ours.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
     rng = random.Random(0)
     prev, sot = hf.convert_tokens_to_ids("<|startofprev|>"), hf.convert_tokens_to_ids("<|startoftranscript|>")
+    assert ours.convert_tokens_to_ids(["<|startofprev|>", "<|not-a-token|>"]) == \
+        hf.convert_tokens_to_ids(["<|startofprev|>", "<|not-a-token|>"])
     for _ in range(400):
         ids = [rng.choice([rng.randrange(50256), rng.randrange(50256, len(hf)), sot]) for _ in range(rng.randint(0, 24))]
         ids = [prev, *ids] if rng.random() < 0.3 else ids
@@ -215,6 +250,42 @@ def test_tokenizer_reads_as_transformers(tmp_path, tiny_en_files):
             timestamps = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
             assert ours.add_tokens(timestamps) == hf.add_tokens(timestamps) == 1501
             assert_same_tokenizer(ours, hf, name + "+timestamps")
+
+
+def _edited(tiny_en: Path, folder: Path, edit) -> Path:
+    folder.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_en / f, folder / f)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    edit(settings, tokenizer)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+def _listed_added_tokens(settings: dict, tokenizer: dict) -> dict:
+    return {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in tokenizer["added_tokens"]}
+
+
+def _strip_around_sot(settings, tokenizer):  # the config's added token differs from the file's
+    settings["added_tokens_decoder"] = _listed_added_tokens(settings, tokenizer)
+    settings["added_tokens_decoder"]["50257"].update(lstrip=True, rstrip=True)
+
+
+def _eot_not_added(settings, tokenizer):  # a special token only in the BPE vocabulary: transformers adds it
+    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["content"] != "<|endoftext|>"]
+
+
+def _model_specific_token(settings, tokenizer):  # becomes a special token in transformers
+    settings["prev_token"] = "<|startofprev|>"
+
+
+@pytest.mark.parametrize("edit", [_strip_around_sot, _eot_not_added, _model_specific_token])
+def test_tokenizer_rules_not_repeated_go_to_transformers(tmp_path, tiny_en_files, edit):
+    folder = _edited(tiny_en_files, tmp_path / "edited", edit)
+    assert read_whisper_tokenizer(folder) is None
+    assert not isinstance(load_tokenizer(folder), WhisperTextTokenizer)
 
 
 def test_tokenizer_layouts_left_to_transformers(tmp_path, tiny_en_files):
@@ -250,8 +321,9 @@ def test_get_tokenizer_is_transformers_with_the_same_ids(tiny_en_files):
         engine_tokenizer.encode(" Hi there.", add_special_tokens=False)
 
 
-def test_transcription_never_imports_transformers(tmp_path):
-    """The main job (README): `encdec transcribe` with the bundled model, in a fresh process."""
+def test_transcription_never_imports_transformers(tmp_path, tiny_en_files):
+    """The main job (README): `encdec transcribe` with the bundled model, in a fresh process (the
+    model imported already: the first import of the bundled CTranslate2 files writes it with transformers)."""
     script = ("import atexit, sys\n"
               "atexit.register(lambda: print('IMPORTED', sorted(m for m in sys.modules if m.split('.')[0] == "
               "'transformers')[:3], file=sys.stderr))\n"

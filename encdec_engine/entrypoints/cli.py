@@ -8,6 +8,7 @@ transcribe_args.py), the shared plumbing in cli_args.py.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -197,17 +198,23 @@ def _main(argv: list[str] | None) -> tuple[int, bool]:
 
 def run() -> NoReturn:
     """The `encdec` program: `main`, then, after a one-shot command, an exit without interpreter
-    teardown (its files are closed by then; stdout, stderr and logging are flushed here)."""
+    teardown (its files are closed by then; Python's and C's stdout and stderr and logging are
+    flushed here). Under a profiler or a tracer (cProfile, coverage) it exits the usual way, so
+    that they write their results."""
     code, one_shot = _main(None)
     code = 0 if code is None else code
-    if not one_shot:
+    if not one_shot or sys.getprofile() is not None or sys.gettrace() is not None:
         sys.exit(code)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except OSError:  # a closed pipe: nothing left to tell it
-        code = code or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to tell it
+            code = code or 1
     logging.shutdown()
+    try:
+        ctypes.CDLL(None).fflush(None)  # what native libraries printed through C's stdio
+    except (OSError, AttributeError):  # no C library to ask (not POSIX)
+        pass
     os._exit(code)
 
 

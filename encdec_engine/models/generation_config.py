@@ -13,26 +13,16 @@ takes them.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
+
+from encdec_engine.models.json_files import read_json
 
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # Bookkeeping keys of the file, never generation settings.
 _METADATA = ("_from_model_config", "_commit_hash", "_original_object_hash", "transformers_version")
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from a checkpoint file; anything else is a ValueError naming the file."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e})") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 # `GenerationConfig`'s fields (transformers 5.x), each None unless a file sets it.
@@ -71,11 +61,47 @@ class GenerationSettings:
 
 def load_generation_config(folder: Path, model_config) -> GenerationSettings:
     """The folder's `generation_config.json` with every field it holds; without the file, the
-    standard generation fields config.json sets (`model_config`: the model's config object)."""
+    standard generation fields config.json sets (`model_config`: the model's config object).
+    A field the engine reads with a value of the wrong kind is a ValueError naming the file."""
     path = folder / GENERATION_CONFIG_FILE
     if not path.is_file():
         logger.info("%s: no %s; generation settings come from config.json", folder, GENERATION_CONFIG_FILE)
-        values = model_config.to_dict()
-        return GenerationSettings({k: values[k] for k in GENERATION_FIELDS if values.get(k) is not None})
-    raw = read_json(path)
-    return GenerationSettings({key: value for key, value in raw.items() if key not in _METADATA})
+        config = model_config.to_dict()
+        values = {k: config[k] for k in GENERATION_FIELDS if config.get(k) is not None}
+        if config.get("force_bos_token_to_be_generated"):  # older BART configs' spelling, as transformers reads it
+            values["forced_bos_token_id"] = values.get("bos_token_id")
+        path = folder / "config.json"
+    else:
+        values = {key: value for key, value in read_json(path).items() if key not in _METADATA}
+    _check_kinds(values, path)
+    return GenerationSettings(values)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(_is_int(i) for i in value)
+
+
+# What each field the engine reads must hold (None is always allowed).
+_KINDS = {
+    **dict.fromkeys(("max_length", "max_new_tokens", "min_length", "min_new_tokens", "num_beams", "no_repeat_ngram_size",
+                     "num_return_sequences", "max_initial_timestamp_index"),
+                    ("a whole number >= 0", lambda v: _is_int(v) and v >= 0)),
+    **dict.fromkeys(("length_penalty", "repetition_penalty"),
+                    ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))),
+    **dict.fromkeys(("bos_token_id", "pad_token_id", "decoder_start_token_id", "forced_bos_token_id",
+                     "forced_eos_token_id", "no_timestamps_token_id", "prev_sot_token_id"), ("a token id", _is_int)),
+    "eos_token_id": ("a token id or a list of them", lambda v: _is_int(v) or _is_ids(v)),
+    **dict.fromkeys(("suppress_tokens", "begin_suppress_tokens"), ("a list of token ids", _is_ids)),
+    "early_stopping": ('true, false or "never"', lambda v: isinstance(v, bool) or v == "never"),
+    "is_multilingual": ("true or false", lambda v: isinstance(v, bool)),
+}
+
+
+def _check_kinds(values: dict, path: Path) -> None:
+    for name, value in values.items():
+        if value is not None and name in _KINDS and not _KINDS[name][1](value):
+            raise ValueError(f"{path}: {name} must be {_KINDS[name][0]}, got {value!r}")

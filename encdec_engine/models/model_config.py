@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from encdec_engine.models.generation_config import read_json
+from encdec_engine.models.json_files import read_json
 
 CONFIG_FILE = "config.json"
 # Bookkeeping keys, never settings.
@@ -34,6 +34,18 @@ WHISPER_DEFAULTS: dict[str, Any] = {
     "mask_time_min_masks": 2, "mask_feature_prob": 0.0, "mask_feature_length": 10, "mask_feature_min_masks": 0,
     "median_filter_width": 7, "tie_word_embeddings": True, "model_type": "whisper",
 }
+# Generation settings older config.json files carry, which transformers 5 drops from a model config
+# (they belong in generation_config.json) unless the config class declares them.
+_LEGACY_GENERATION_KEYS = (
+    "max_length", "min_length", "do_sample", "use_cache", "early_stopping", "num_beams", "temperature", "top_k",
+    "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "epsilon_cutoff", "eta_cutoff",
+    "encoder_repetition_penalty", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "num_beam_groups",
+    "diversity_penalty",
+)
 WHISPER_ALIASES = {"num_key_value_heads": "encoder_attention_heads", "num_attention_heads": "encoder_attention_heads",
                    "hidden_size": "d_model", "num_hidden_layers": "encoder_layers"}
 
@@ -68,7 +80,8 @@ def read_whisper_config(folder: Path) -> ModelConfig | None:
     raw = read_json(folder / CONFIG_FILE)
     if raw.get("model_type") != "whisper":
         return None
-    values = {key: value for key, value in raw.items() if key not in _METADATA}
+    dropped = set(_METADATA) | (set(_LEGACY_GENERATION_KEYS) - set(WHISPER_DEFAULTS))
+    values = {key: value for key, value in raw.items() if key not in dropped}
     if "torch_dtype" in values:  # the name before transformers 5
         values.setdefault("dtype", values.pop("torch_dtype"))
     if isinstance(values.get("id2label"), dict):  # JSON keys are strings; transformers makes them ints

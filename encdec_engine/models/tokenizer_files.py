@@ -1,7 +1,8 @@
 """Loading a checkpoint's tokenizer from whichever files it ships.
 
-A Whisper `tokenizer.json` in the layout transformers 5 writes is read with `tokenizers` alone
-(models/whisper_tokenizer.py), sparing the transformers import. Otherwise transformers reads
+A Whisper `tokenizer.json` with its `tokenizer_config.json` (as transformers 5 writes them, or 4.x
+with `added_tokens_decoder`) is read with `tokenizers` alone (models/whisper_tokenizer.py), sparing
+the transformers import, unless it needs rules that module does not repeat. Otherwise transformers reads
 every layout we serve: `tokenizer.json` (the fast tokenizer),
 the slow files `vocab.json` + `merges.txt` (byte-level BPE: BART, GPT-2, Whisper;
 special tokens from `tokenizer_config.json` / `added_tokens.json`), and a

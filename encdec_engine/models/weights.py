@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from encdec_engine.models.generation_config import read_json
+from encdec_engine.models.json_files import read_json
 
 
 def weight_files(folder: str | Path) -> list[Path]:
