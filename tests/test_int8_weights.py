@@ -41,6 +41,18 @@ def test_per_channel_quantization_rounds_each_row_to_its_own_step():
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
 
 
+def test_per_channel_quantization_in_blocks_is_the_whole_matrix_formula():
+    torch.manual_seed(1)
+    w = torch.randn(2500, 24, dtype=torch.float16) * torch.rand(2500, 1, dtype=torch.float16)  # > 2 blocks of rows
+    w[1023:1026] = 0  # all-zero rows across a block boundary
+    q, scale = quantize_per_channel(w)
+    full = w.float()
+    amax = full.abs().amax(1)
+    want_scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q, torch.round(full / want_scale[:, None]).clamp(-127, 127).to(torch.int8))
+
+
 def activation_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fbgemm's error on top of the int8 weights: activations quantized once per call to 7-bit steps
     of (max - min) / 127 (0 in range), half a step each, times |w| summed over the inputs."""

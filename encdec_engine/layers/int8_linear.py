@@ -48,12 +48,24 @@ _linear_dynamic = getattr(torch.ops.quantized.linear_dynamic, "_op", torch.ops.q
 _plain_tensors = torch._C.DisableTorchFunctionSubclass
 
 
+_QUANTIZE_ROWS = 1024  # rows quantized at a time: their float temporaries stay in cache (1.5 MB for tiny.en)
+
+
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (q: [out, in] int8, scale: [out] float32) with weight ~= q * scale[:, None]."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))  # an all-zero row keeps q = 0
-    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    """[out, in] float -> (q: [out, in] int8, scale: [out] float32) with weight ~= q * scale[:, None].
+
+    Done in blocks of rows (each row is independent, so the result is the same): on the whole
+    51,864 x 384 vocab head, the five elementwise passes over fresh 80 MB temporaries took 0.14 s
+    against 0.03 s in blocks."""
+    w = weight.detach()
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for start in range(0, w.shape[0], _QUANTIZE_ROWS):
+        rows = slice(start, start + _QUANTIZE_ROWS)
+        block = w[rows].float()
+        amax = block.abs().amax(dim=1)
+        scale[rows] = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))  # an all-zero row keeps q = 0
+        q[rows] = torch.round(block / scale[rows, None]).clamp_(-INT8_MAX, INT8_MAX)
     return q, scale
 
 
