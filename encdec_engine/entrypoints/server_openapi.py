@@ -31,6 +31,10 @@ _ERRORS = {
 _POST_ERRORS = (400, 401, 404, 413, 429, 500, 503)
 _GET_ERRORS = (401, 404, 500)
 _TEXT = {"schema": {"type": "string"}}
+# text/event-stream: before OpenAPI 3.2 (no `itemSchema`) a stream's schema describes each event.
+_EVENTS = {"schema": {"type": "object", "required": ["data"],
+                      "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                     "id": {"type": "string"}, "retry": {"type": "integer"}}}}
 
 
 def install_openapi(app: FastAPI, audio: bool) -> None:
@@ -60,7 +64,7 @@ def describe(schema: dict[str, Any], audio: bool) -> dict[str, Any]:
                 responses.setdefault(str(status), {"description": _ERRORS[status], "content": error})
     if "/v1/completions" in paths:
         ok = paths["/v1/completions"]["post"]["responses"]["200"]
-        ok["content"]["text/event-stream"] = _TEXT  # stream=true: `data: {chunk}` events, then `data: [DONE]`
+        ok["content"]["text/event-stream"] = _EVENTS  # stream=true: `data: {chunk}` events, then `data: [DONE]`
     for path in _AUDIO_PATHS:
         if path in paths:
             _describe_audio(paths[path]["post"], transcription=path.endswith("transcriptions"))
@@ -97,7 +101,7 @@ def _describe_audio(op: dict[str, Any], transcription: bool) -> None:
     op["responses"]["200"] = {
         "description": "json / verbose_json: the transcript; text, srt, vtt: the text; stream=true: "
                        "transcript.text.delta events, then transcript.text.done",
-        "content": {"application/json": {"schema": json_schema}, "text/plain": _TEXT, "text/event-stream": _TEXT}}
+        "content": {"application/json": {"schema": json_schema}, "text/plain": _TEXT, "text/event-stream": _EVENTS}}
 
 
 def _inline_defs(schema: Any, defs: dict[str, Any]) -> Any:
