@@ -3,8 +3,9 @@
 `bench_whisper.py` times transcription alone (model load reported apart, a warm-up first); a
 user of `encdec transcribe meeting.wav` waits for the interpreter, the imports, the model
 load, the first (cold) transcription and the output files too. Here each system runs as a
-fresh process on long_meeting (69 s, sequential long-form, greedy, 2 threads), timed from
-spawn to exit, the systems taking turns for `--rounds` rounds (best and median kept):
+fresh process on long_meeting (69 s; with `--long-minutes N` also bench_whisper.py's recording of
+about N minutes), sequential long-form, greedy, 2 threads, timed from spawn to exit, the systems
+taking turns for `--rounds` rounds (best and median kept):
 
     encdec transcribe FILE [--quantization int8] -o DIR --output-format txt
     faster-whisper: the few lines a user writes (WhisperModel(...).transcribe, beam_size=1,
@@ -19,7 +20,7 @@ should not). Printed: CPU model and flags, each system's wall seconds, its ratio
 faster-whisper int8 (above 1: the row is faster), and its WER against the spoken text.
 
     python scripts/bench_cli.py --fw-python /work/peer-venvs/fw/bin/python \\
-        [--whispercpp-python P --ggml-model F] [--rounds 3] [--threads 2]
+        [--whispercpp-python P --ggml-model F] [--rounds 3] [--threads 2] [--long-minutes 5]
 """
 
 from __future__ import annotations
@@ -111,40 +112,47 @@ def main() -> int:
     ap.add_argument("--ggml-model", help="ggml file of the same tiny.en weights")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--long-minutes", type=float, default=0.0,
+                    help="also a recording of about this many minutes (bench_whisper.py's; 0: long_meeting only)")
     args = ap.parse_args()
     for flag, python in (("--fw-python", args.fw_python), ("--whispercpp-python", args.whispercpp_python)):
         if python and not os.access(python, os.X_OK):
             ap.error(f"{flag} {python}: not an executable file")
 
     print(cpu_line())
-    env_note = "each system a fresh process, spawn to exit; greedy, language en"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        audio = build_long(0, tmp)[0]
-        out = tmp / "out"
-        out.mkdir()
-        rows = commands(args, audio.path, out)
-        walls: dict[str, list[float]] = {name: [] for name in rows}
-        texts: dict[str, str] = {}
-        failed: set[str] = set()
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
-        for _ in range(args.rounds):
-            for name, (cmd, file) in rows.items():
-                if name in failed:
-                    continue
-                start = time.perf_counter()
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                wall = time.perf_counter() - start
-                if proc.returncode != 0:
-                    print(f"{name}: failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1][:200]}")
-                    failed.add(name)
-                    continue
-                walls[name].append(wall)
-                texts[name] = file.read_text()
-        phases = subprocess.run([sys.executable, "-c", PHASES_SCRIPT, str(audio.path), str(args.threads), "int8"],
-                                env=env, capture_output=True, text=True, check=True)
+        for audio in build_long(args.long_minutes, tmp):
+            run_file(args, audio, tmp / audio.path.stem)
+    return 0
 
-    print(f"\n{audio.path.name}: {audio.seconds:.1f} s of audio; {env_note}; best and median of {args.rounds} rounds")
+
+def run_file(args, audio, out: Path) -> None:
+    """Every system on one recording, in turn for `args.rounds` rounds; then the engine's phases."""
+    out.mkdir()
+    rows = commands(args, audio.path, out)
+    walls: dict[str, list[float]] = {name: [] for name in rows}
+    texts: dict[str, str] = {}
+    failed: set[str] = set()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
+    for _ in range(args.rounds):
+        for name, (cmd, file) in rows.items():
+            if name in failed:
+                continue
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - start
+            if proc.returncode != 0:
+                print(f"{name}: failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1][:200]}")
+                failed.add(name)
+                continue
+            walls[name].append(wall)
+            texts[name] = file.read_text()
+    phases = subprocess.run([sys.executable, "-c", PHASES_SCRIPT, str(audio.path), str(args.threads), "int8"],
+                            env=env, capture_output=True, text=True, check=True)
+
+    print(f"\n{audio.path.name}: {audio.seconds:.1f} s of audio; each system a fresh process, spawn to exit; greedy, "
+          f"language en; best and median of {args.rounds} rounds")
     print(f"{'system':<40}{'best s':>8}{'median s':>10}{'x fw int8':>11}{'WER %':>7}")
     reference = min(walls.get("faster-whisper int8") or [float("nan")])
     for name, w in walls.items():
@@ -158,7 +166,6 @@ def main() -> int:
     for name, seconds in split["phases"]:
         print(f"  {name:<24}{seconds:6.2f} s")
     print(f"  transformers imported: {'yes' if split['transformers imported'] else 'no'}")
-    return 0
 
 
 if __name__ == "__main__":
