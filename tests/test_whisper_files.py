@@ -281,7 +281,11 @@ def _model_specific_token(settings, tokenizer):  # becomes a special token in tr
     settings["prev_token"] = "<|startofprev|>"
 
 
-@pytest.mark.parametrize("edit", [_strip_around_sot, _eot_not_added, _model_specific_token])
+def _named_extra_tokens(settings, tokenizer):  # extra_special_tokens as a dict: model-specific names too
+    settings["extra_special_tokens"] = {"sot_token": "<|startoftranscript|>"}
+
+
+@pytest.mark.parametrize("edit", [_strip_around_sot, _eot_not_added, _model_specific_token, _named_extra_tokens])
 def test_tokenizer_rules_not_repeated_go_to_transformers(tmp_path, tiny_en_files, edit):
     folder = _edited(tiny_en_files, tmp_path / "edited", edit)
     assert read_whisper_tokenizer(folder) is None

@@ -219,6 +219,8 @@ def _layout_problem(folder: Path, settings: dict, backend: Tokenizer) -> str | N
         return "tokenization-space clean-up forced on"
     model_specific = [k for k, v in settings.items()
                       if k.endswith("_token") and k not in _NAMED_SPECIAL and isinstance(v, (str, dict))]
+    if isinstance(settings.get("extra_special_tokens"), dict):  # named ones, e.g. {"sot_token": ...}
+        model_specific += list(settings["extra_special_tokens"])
     if model_specific:  # transformers makes them special tokens too, ahead of the extra ones
         return f"model-specific special tokens {model_specific}"
     model = backend.model
