@@ -168,53 +168,58 @@ def test_generation_settings_legacy_bart_flag_and_bad_values(tmp_path):
 
 # -- tokenizer ----------------------------------------------------------------------------------
 
+def _edited(tiny_en: Path, folder: Path, edit) -> Path:
+    """A copy of tiny.en's tokenizer.json and tokenizer_config.json in `folder`, after
+    `edit(folder, settings, tokenizer)` changed their contents (and wrote any other file)."""
+    folder.mkdir()
+    settings = json.loads((tiny_en / "tokenizer_config.json").read_text())
+    tokenizer = json.loads((tiny_en / "tokenizer.json").read_text())
+    edit(folder, settings, tokenizer)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+def _listed_added_tokens(tokenizer: dict) -> dict:
+    """tokenizer.json's added tokens as tokenizer_config.json's added_tokens_decoder lists them."""
+    return {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in tokenizer["added_tokens"]}
+
+
+def _prefixed(folder, settings, tokenizer):
+    settings.update(language="English", task="transcribe", predict_timestamps=True)
+
+
+def _hub_legacy(folder, settings, tokenizer):
+    # The layout hub checkpoints saved by transformers 4 have: added tokens listed in
+    # tokenizer_config.json, additional_special_tokens, a special_tokens_map.json.
+    extra = settings.pop("extra_special_tokens")
+    settings["additional_special_tokens"] = extra
+    settings["added_tokens_decoder"] = _listed_added_tokens(tokenizer)
+    settings["tokenizer_class"] = "WhisperTokenizerFast"
+    (folder / "special_tokens_map.json").write_text(json.dumps({"additional_special_tokens": extra,
+                                                                "eos_token": "<|endoftext|>"}))
+
+
+def _no_timestamps(folder, settings, tokenizer):
+    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["id"] <= 50362]
+
+
+def _truncating(folder, settings, tokenizer):  # saved after a tokenizer(..., truncation=True, padding=...) call
+    tokenizer["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    tokenizer["padding"] = {"strategy": {"Fixed": 12}, "direction": "Right", "pad_to_multiple_of": None,
+                            "pad_id": 50256, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    settings["add_prefix_space"] = True
+
+
+def _no_prompt_token(folder, settings, tokenizer):  # <|startofprev|> unknown: it reads as the unknown token
+    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["content"] != "<|startofprev|>"]
+    settings["extra_special_tokens"] = [t for t in settings["extra_special_tokens"] if t != "<|startofprev|>"]
+
+
 def _tokenizer_layouts(tmp: Path, tiny_en: Path) -> dict[str, Path]:
-    def copy(name: str, edit) -> Path:
-        folder = tmp / name
-        folder.mkdir()
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tiny_en / f, folder / f)
-        edit(folder, json.loads((folder / "tokenizer_config.json").read_text()),
-             json.loads((folder / "tokenizer.json").read_text()))
-        return folder
-
-    def prefixed(folder, settings, _):
-        settings.update(language="English", task="transcribe", predict_timestamps=True)
-        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-
-    def hub_legacy(folder, settings, tokenizer):
-        # The layout hub checkpoints saved by transformers 4 have: added tokens listed in
-        # tokenizer_config.json, additional_special_tokens, a special_tokens_map.json.
-        extra = settings.pop("extra_special_tokens")
-        settings["additional_special_tokens"] = extra
-        settings["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"}
-                                            for t in tokenizer["added_tokens"]}
-        settings["tokenizer_class"] = "WhisperTokenizerFast"
-        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-        (folder / "special_tokens_map.json").write_text(json.dumps({"additional_special_tokens": extra,
-                                                                    "eos_token": "<|endoftext|>"}))
-
-    def no_timestamps(folder, _, tokenizer):
-        tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["id"] <= 50362]
-        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-
-    def truncating(folder, settings, tokenizer):  # saved after a tokenizer(..., truncation=True, padding=...) call
-        tokenizer["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
-        tokenizer["padding"] = {"strategy": {"Fixed": 12}, "direction": "Right", "pad_to_multiple_of": None,
-                                "pad_id": 50256, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
-        settings["add_prefix_space"] = True
-        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-
-    def no_prompt_token(folder, settings, tokenizer):  # <|startofprev|> unknown: it reads as the unknown token
-        tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["content"] != "<|startofprev|>"]
-        settings["extra_special_tokens"] = [t for t in settings["extra_special_tokens"] if t != "<|startofprev|>"]
-        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-
-    return {"tiny.en": tiny_en, "prefixed": copy("prefixed", prefixed), "hub_legacy": copy("hub_legacy", hub_legacy),
-            "no_timestamps": copy("no_timestamps", no_timestamps), "truncating": copy("truncating", truncating),
-            "no_prompt_token": copy("no_prompt_token", no_prompt_token)}
+    edits = {"prefixed": _prefixed, "hub_legacy": _hub_legacy, "no_timestamps": _no_timestamps,
+             "truncating": _truncating, "no_prompt_token": _no_prompt_token}
+    return {"tiny.en": tiny_en, **{name: _edited(tiny_en, tmp / name, edit) for name, edit in edits.items()}}
 
 
 def assert_same_tokenizer(ours, hf, name: str) -> None:
@@ -252,36 +257,20 @@ def test_tokenizer_reads_as_transformers(tmp_path, tiny_en_files):
             assert_same_tokenizer(ours, hf, name + "+timestamps")
 
 
-def _edited(tiny_en: Path, folder: Path, edit) -> Path:
-    folder.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_en / f, folder / f)
-    settings = json.loads((folder / "tokenizer_config.json").read_text())
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    edit(settings, tokenizer)
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-    return folder
-
-
-def _listed_added_tokens(settings: dict, tokenizer: dict) -> dict:
-    return {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in tokenizer["added_tokens"]}
-
-
-def _strip_around_sot(settings, tokenizer):  # the config's added token differs from the file's
-    settings["added_tokens_decoder"] = _listed_added_tokens(settings, tokenizer)
+def _strip_around_sot(folder, settings, tokenizer):  # the config's added token differs from the file's
+    settings["added_tokens_decoder"] = _listed_added_tokens(tokenizer)
     settings["added_tokens_decoder"]["50257"].update(lstrip=True, rstrip=True)
 
 
-def _eot_not_added(settings, tokenizer):  # a special token only in the BPE vocabulary: transformers adds it
+def _eot_not_added(folder, settings, tokenizer):  # a special token only in the BPE vocabulary: transformers adds it
     tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["content"] != "<|endoftext|>"]
 
 
-def _model_specific_token(settings, tokenizer):  # becomes a special token in transformers
+def _model_specific_token(folder, settings, tokenizer):  # becomes a special token in transformers
     settings["prev_token"] = "<|startofprev|>"
 
 
-def _named_extra_tokens(settings, tokenizer):  # extra_special_tokens as a dict: model-specific names too
+def _named_extra_tokens(folder, settings, tokenizer):  # extra_special_tokens as a dict: model-specific names too
     settings["extra_special_tokens"] = {"sot_token": "<|startoftranscript|>"}
 
 
@@ -292,25 +281,25 @@ def test_tokenizer_rules_not_repeated_go_to_transformers(tmp_path, tiny_en_files
     assert not isinstance(load_tokenizer(folder), WhisperTextTokenizer)
 
 
+def _legacy_special_tokens_map(folder, settings, tokenizer):
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+def _other_class(folder, settings, tokenizer):
+    settings["tokenizer_class"] = "GPT2Tokenizer"
+
+
+def _unknown_language(folder, settings, tokenizer):
+    settings["language"] = "klingon"
+
+
 def test_tokenizer_layouts_left_to_transformers(tmp_path, tiny_en_files):
-    legacy = tmp_path / "legacy"
-    legacy.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_en_files / f, legacy / f)
-    (legacy / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    legacy = _edited(tiny_en_files, tmp_path / "legacy", _legacy_special_tokens_map)
     assert read_whisper_tokenizer(legacy) is None
     assert not isinstance(load_tokenizer(legacy), WhisperTextTokenizer)  # transformers reads it
-    wordpiece = tmp_path / "other_class"
-    shutil.copytree(legacy, wordpiece)
-    (wordpiece / "special_tokens_map.json").unlink()
-    settings = json.loads((wordpiece / "tokenizer_config.json").read_text())
-    (wordpiece / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "GPT2Tokenizer"}))
-    assert read_whisper_tokenizer(wordpiece) is None
-    bad = tmp_path / "bad_language"
-    shutil.copytree(wordpiece, bad)
-    (bad / "tokenizer_config.json").write_text(json.dumps({**settings, "language": "klingon"}))
+    assert read_whisper_tokenizer(_edited(tiny_en_files, tmp_path / "other_class", _other_class)) is None
     with pytest.raises(ValueError, match="tokenizer_config.json names language 'klingon'"):
-        read_whisper_tokenizer(bad)
+        read_whisper_tokenizer(_edited(tiny_en_files, tmp_path / "bad_language", _unknown_language))
 
 
 def test_get_tokenizer_is_transformers_with_the_same_ids(tiny_en_files):

@@ -35,12 +35,13 @@ def pad_or_trim(samples: np.ndarray | torch.Tensor, length: int = N_SAMPLES) -> 
 _LOG_START_HZ = 1000.0
 _LOG_START_MEL = 15.0
 _LOG_HZ_PER_MEL = np.log(6.4) / 27.0
+_MELS_PER_LOG_HZ = 27.0 / np.log(6.4)  # not 1 / _LOG_HZ_PER_MEL: the same rounding as transformers'
 
 
 def _hz_to_mel(hz: float) -> float:
     if hz < _LOG_START_HZ:
         return 3.0 * hz / 200.0
-    return _LOG_START_MEL + np.log(hz / _LOG_START_HZ) * (27.0 / np.log(6.4))
+    return _LOG_START_MEL + np.log(hz / _LOG_START_HZ) * _MELS_PER_LOG_HZ
 
 
 def _mel_to_hz(mels: np.ndarray) -> np.ndarray:
