@@ -4,8 +4,10 @@ Workloads (random-init weights, greedy, exactly --max-tokens new tokens per requ
 min_tokens = max_tokens):
 
     bart     --num-requests requests, encoder lengths uniform in --min-len..--max-len
-             (random token ids); --size base (bart-base) or large (bart-large). HF gets
-             right-padded encoder inputs with an attention mask.
+             (random token ids); --size base (bart-base) or large (bart-large), built as the
+             tests build random BART (wide init, random logits bias, positions and layer
+             norms), so the outputs vary with the input and agreement figures mean
+             something. HF gets right-padded encoder inputs with an attention mask.
     whisper  --num-requests 30 s log-mel windows (random features) with a 4-token
              decoder prompt; --size tiny (tiny.en shape) or large-v3 (1.55B params,
              128 mels). HF runs the plain `generate` loop (no Whisper-specific logits
@@ -58,12 +60,12 @@ def checkpoint(path: Path, workload: str = "bart", size: str = "base") -> Path:
     """A random-init checkpoint of the workload's model at `size`, made once."""
     if (path / "config.json").is_file():
         return path
-    torch.manual_seed(0)
-    if workload == "bart":
-        from transformers import BartConfig, BartForConditionalGeneration
+    if workload == "bart":  # the test suite's builder: outputs that vary with the input, not one token repeated
+        sys.path.insert(0, str(ROOT / "tests"))
+        from helpers import make_bart
 
-        BartForConditionalGeneration(BartConfig(**BART_SIZES[size])).save_pretrained(path)
-        return path
+        return make_bart(path, size)
+    torch.manual_seed(0)
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
     sot, no_timestamps = WHISPER_PROMPT[0], WHISPER_PROMPT[-1]
@@ -148,7 +150,7 @@ def run_hf(workload_name: str, path: Path, inputs, max_tokens: int, batch_size: 
     cls = BartForConditionalGeneration if workload_name == "bart" else WhisperForConditionalGeneration
     model = cls.from_pretrained(path, dtype=torch_dtype).to(device).eval()
     greedy = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, num_beams=1,
-                  forced_eos_token_id=None, forced_bos_token_id=None, no_repeat_ngram_size=0, min_length=0)
+                  forced_eos_token_id=None, forced_bos_token_id=None, no_repeat_ngram_size=0)
     outs = []
     sync(device)
     start = time.perf_counter()
@@ -187,7 +189,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--workload", choices=["bart", "whisper"], default="bart")
     ap.add_argument("--size", default=None, help="bart: base (default) | large; whisper: tiny (default) | large-v3")
-    ap.add_argument("--checkpoint", default=None, help="default: models/checkpoints/<workload>-<size>-random")
+    ap.add_argument("--checkpoint", default=None,
+                    help="default: models/bart-<size> (as scripts/make_checkpoints.py makes it), "
+                         "models/checkpoints/whisper-<size>-random")
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: decode without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine run")
     ap.add_argument("--engine-variants", default=None,
@@ -199,8 +203,9 @@ def main() -> int:
     size = args.size or next(iter(sizes))
     if size not in sizes:
         ap.error(f"--size for {args.workload} must be one of {', '.join(sizes)}")
-    path = checkpoint(Path(args.checkpoint or ROOT / "models" / "checkpoints" / f"{args.workload}-{size}-random"),
-                      args.workload, size)
+    default = (ROOT / "models" / f"bart-{size}" if args.workload == "bart"
+               else ROOT / "models" / "checkpoints" / f"whisper-{size}-random")
+    path = checkpoint(Path(args.checkpoint or default), args.workload, size)
     if args.workload == "bart":
         inputs = workload(args.num_requests, args.min_len, args.max_len, seed=0)
         shape = (f"encoder lengths {args.min_len}..{args.max_len} (mean {np.mean([len(p) for p in inputs]):.0f})")
@@ -211,6 +216,10 @@ def main() -> int:
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{args.threads} CPU threads"
     print(f"workload: {args.workload}-{size}, {args.num_requests} requests, {shape}, {args.max_tokens} new tokens "
           f"each, {args.dtype}, {device_name}")
+    if not args.device.startswith("cuda"):
+        from bench_whisper import cpu_line
+
+        print(cpu_line())
 
     variants = (args.engine_variants or ("fp32,kv8" if args.device.startswith("cuda") else ",".join(VARIANTS)))
     variants = [v for v in variants.split(",") if v]
