@@ -277,25 +277,27 @@ class BlockManager:
                 self.cross_block_tables[group.key] = cached
             else:
                 # Consecutive blocks where the free list allows: the CPU attention reads them in place.
-                table = self.device.allocate_run(n)
+                # The table is recorded before its hashes, so that an interrupt leaves nothing unowned.
+                table = self.cross_block_tables[group.key] = self.device.allocate_run(n)
                 for block, h in zip(table, hashes):  # computed by this group's prefill, this step
                     self.device.register(block, h)
-                self.cross_block_tables[group.key] = table
         # Self tables after the cross table: a new self block then does not sit where the cross run would
         # start, and grows into the blocks after it (`BlockAllocator.allocate`); and the cross cache,
         # the costlier to recompute, is looked up before self blocks are taken from the free list.
         # Caching off: the forks of one request share through this map alone, gone after the call.
         scope = None if self.enable_caching else {}
         for seq in group.get_seqs(SequenceStatus.WAITING):
-            self.block_tables[seq.seq_id] = self._allocate_self(seq, self_key, group.prefill_from, scope)
+            self._allocate_self(seq, self_key, group.prefill_from, scope)
 
     def _allocate_self(self, seq: Sequence, key, compute_from: int | None = None,
-                       scope: dict[bytes, int] | None = None) -> list[int]:
-        """The sequence's self table, reusing cached full blocks before position `compute_from`
+                       scope: dict[bytes, int] | None = None) -> None:
+        """Build the sequence's self table, reusing cached full blocks before position `compute_from`
         (default: the last token, which must be computed for its logits). With a `scope` map the
-        blocks are found in and registered there instead of the pool's cache."""
+        blocks are found in and registered there instead of the pool's cache. The table is recorded
+        first and grows in place: each block it takes is owned (and freed with it) at once."""
         bs = self.block_size
         table: list[int] = []
+        self.block_tables[seq.seq_id] = table
         hashes: list[bytes] = []
         if key is not None:
             hashes = self._self_hashes(seq.data.token_ids, key)
@@ -312,14 +314,13 @@ class BlockManager:
                 self.cache_stats["self_block_hits"] += len(table)
             seq.data.num_computed_tokens = len(table) * bs
         while len(table) < blocks_for(len(seq), bs):
-            block = self.device.allocate(table[-1] if table else None)
-            if len(table) < len(hashes):
+            table.append(self.device.allocate(table[-1] if table else None))
+            index = len(table) - 1
+            if index < len(hashes):
                 if scope is None:
-                    self.device.register(block, hashes[len(table)])
+                    self.device.register(table[index], hashes[index])
                 else:
-                    scope.setdefault(hashes[len(table)], block)
-            table.append(block)
-        return table
+                    scope.setdefault(hashes[index], table[index])
 
     def commit_step(self) -> None:
         """The step's forward succeeded: the hashes of the blocks it allocated become lasting."""

@@ -12,13 +12,13 @@ from encdec_engine.engine.beam_search import BeamState
 from encdec_engine.engine.block_manager import BlockManager, blocks_for
 from encdec_engine.engine.loader import LoadedModel, load_model
 from encdec_engine.engine.output_processor import OutputProcessor
-from encdec_engine.engine.scheduler import Scheduler, SchedulerConfig
+from encdec_engine.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from encdec_engine.inputs.preprocess import InputProcessor, ProcessedInputs
 from encdec_engine.inputs.prompts import PromptType
 from encdec_engine.layers.sampling_state import RequestSampling
 from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.sequence import Sequence, SequenceGroup
+from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
 from encdec_engine.worker.cuda_graphs import graph_batch_sizes
 from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool, weight_bytes
@@ -78,6 +78,7 @@ class LLMEngine:
             loaded.decoder_prompt_starts,
         )
         self.groups: dict[str, SequenceGroup] = {}
+        self._undelivered: list[RequestOutput] = []  # outputs of requests an interrupted step ended
         # OpenAI's rule, which the server turns on: a max_tokens past the model's length limit is an
         # error. Off (vLLM's offline behaviour), such a request ends at the limit with "length".
         self.reject_max_tokens_past_limit = False
@@ -195,8 +196,14 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its self and cross blocks are freed at once."""
-        group = self.scheduler.abort(request_id)
-        group = self.groups.pop(request_id, group)
+        group = self.scheduler.abort(request_id) or self.groups.get(request_id)
+        if group is not None:
+            # Also one an interrupted schedule() left outside every queue: free what it holds.
+            for seq in group.unfinished_seqs():
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            self.block_manager.free_group(group)
+        self.groups.pop(request_id, None)
+        self._undelivered = [o for o in self._undelivered if o.request_id != request_id]
         self._release_if_idle()
         return self.output_processor.output(group) if group is not None else None
 
@@ -206,49 +213,80 @@ class LLMEngine:
             self.runner.release_idle()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._undelivered)
 
     # -- stepping ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step. A forward that raises fails only this step's requests (finish_reason
-        "error"); a failure while applying one request's result fails that request alone."""
-        metadata, out = self.scheduler.schedule()
-        outputs = [self._finish_ignored(g) for g in out.ignored]
-        # Swap-ins were decided before this step's preemptions: their swap blocks may be handed
-        # to a swap-out of the same step (and a group may go in and out again), so they go first.
-        self.cache_engine.swap_in(out.blocks_to_swap_in)
-        self.cache_engine.swap_out(out.blocks_to_swap_out)
-        self.cache_engine.copy(out.blocks_to_copy)
+        """Run one scheduler step. A forward (or a swap or copy of KV blocks) that raises fails only
+        this step's requests (finish_reason "error"); a failure while applying one request's result
+        fails that request alone.
+
+        Whatever ends a step early, KeyboardInterrupt and SystemExit included, un-registers the
+        content hashes of the blocks the step allocated: a block never written is never found by a
+        later request. Such an interrupt fails the step's requests too (their KV is incomplete) and
+        propagates; their outputs come with the next step."""
+        outputs, self._undelivered = self._undelivered, []
+        # Hashes still pending belong to a step that never reached commit or rollback: never keep them.
+        self.block_manager.rollback_step()
+        try:
+            metadata, out = self.scheduler.schedule()
+        except BaseException:
+            self.block_manager.rollback_step()
+            raise
+        outputs += [self._finish_ignored(g) for g in out.ignored]
+        if not out.is_empty:
+            self.stats["prefill_steps" if out.is_prompt else "decode_steps"] += 1
+            if out.is_prompt:
+                self.stats["encoder_runs"] += sum(1 for g in out.groups
+                                                  if g.encoder_seq is not None and not g.encoder_cached)
+        try:
+            # Swap-ins were decided before this step's preemptions: their swap blocks may be handed
+            # to a swap-out of the same step (and a group may go in and out again), so they go first.
+            self.cache_engine.swap_in(out.blocks_to_swap_in)
+            self.cache_engine.swap_out(out.blocks_to_swap_out)
+            self.cache_engine.copy(out.blocks_to_copy)
+            result = None if out.is_empty else self.runner.execute(metadata, out.is_prompt)
+        except BaseException as e:
+            # Nothing this step moved or computed can be trusted: the blocks it allocated were not (all)
+            # written, so their hashes go before anyone can find them, and their requests end.
+            self.block_manager.rollback_step()
+            failed = self._fail_step(out, e)
+            if not isinstance(e, Exception):  # an interrupt: the caller sees it; the outputs wait
+                self._undelivered = failed
+                raise
+            outputs += failed
+            self._release_if_idle()
+            return outputs
+        self.block_manager.commit_step()
         if out.is_empty:
             self._release_if_idle()
             return outputs
-        self.stats["prefill_steps" if out.is_prompt else "decode_steps"] += 1
-        if out.is_prompt:
-            self.stats["encoder_runs"] += sum(1 for g in out.groups if g.encoder_seq is not None and not g.encoder_cached)
-        try:
-            result = self.runner.execute(metadata, out.is_prompt)
-        except Exception as e:
-            # Nothing this step computed can be trusted: the blocks it allocated were not (all) written,
-            # so their content hashes go before anyone can find them.
-            self.block_manager.rollback_step()
-            logger.exception("a %s step of %d requests failed; they alone are ended",
-                             "prefill" if out.is_prompt else "decode", len(out.groups))
-            self.stats["failed_steps"] += 1
-            for group in out.groups:
-                self.output_processor.fail(group, f"the model step running this request failed "
-                                                  f"({type(e).__name__}: {e})")
-        else:
-            self.block_manager.commit_step()
-            self.output_processor.apply(out.groups, result, time.monotonic())
-            self.stats["generated_tokens"] += sum(len(m.seq_data) for m in metadata)
+        self.output_processor.apply(out.groups, result, time.monotonic())
+        self.stats["generated_tokens"] += sum(len(m.seq_data) for m in metadata)
         self.scheduler.free_finished()
-        for group in out.groups:
-            if group.is_finished():
-                group.finished_time = time.monotonic()
-                self.groups.pop(group.request_id, None)
-            outputs.append(self.output_processor.output(group))
+        outputs += [self._output(group) for group in out.groups]
         self._release_if_idle()
         return outputs
+
+    def _fail_step(self, out: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
+        """End every request whose KV the failed step touched, free its blocks; their outputs."""
+        logger.error("a %s step of %d requests failed (%s); they alone are ended",
+                     "prefill" if out.is_prompt else "decode", len(out.groups), type(error).__name__,
+                     exc_info=isinstance(error, Exception))
+        self.stats["failed_steps"] += 1
+        reason = "was interrupted" if not isinstance(error, Exception) else "failed"
+        groups = list({id(g): g for g in out.groups + out.swapped_in + out.swapped_out}.values())
+        for group in groups:
+            self.output_processor.fail(group, f"the model step running this request {reason} "
+                                              f"({type(error).__name__}: {error})")
+            self.scheduler.remove(group)
+        return [self._output(group) for group in groups]
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        if group.is_finished():
+            group.finished_time = time.monotonic()
+            self.groups.pop(group.request_id, None)
+        return self.output_processor.output(group)
 
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
         logger.warning("request %s needs more KV blocks than the pool's %d (or more prefill positions than "

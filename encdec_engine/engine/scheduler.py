@@ -45,6 +45,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     ignored: list[SequenceGroup] = field(default_factory=list)  # can never fit the pool: finished as "length"
+    # Groups whose blocks this step's swaps move: should a swap fail, their KV is lost with it.
+    swapped_in: list[SequenceGroup] = field(default_factory=list)
+    swapped_out: list[SequenceGroup] = field(default_factory=list)
     num_preempted: int = 0
 
     @property
@@ -73,12 +76,18 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             for group in queue:
                 if group.request_id == request_id:
-                    queue.remove(group)
                     for seq in group.unfinished_seqs():
                         seq.status = SequenceStatus.FINISHED_ABORTED
-                    self.block_manager.free_group(group)
+                    self.remove(group)
                     return group
         return None
+
+    def remove(self, group: SequenceGroup) -> None:
+        """Take a group out of whichever queue holds it and free its blocks (both idempotent)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        self.block_manager.free_group(group)
 
     def free_finished(self) -> list[SequenceGroup]:
         """Drop finished groups from the running queue, freeing their blocks."""
@@ -180,6 +189,7 @@ class Scheduler:
             if status == AllocStatus.LATER:
                 break
             self.swapped.popleft()
+            out.swapped_in.append(group)
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(group).items())
             for seq in group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
@@ -200,6 +210,7 @@ class Scheduler:
             can_swap = self.block_manager.num_total_swap_blocks and self.block_manager.can_swap_out(group)
             mode = PreemptionMode.SWAP if can_swap else PreemptionMode.RECOMPUTE
         if mode == PreemptionMode.SWAP and self.block_manager.can_swap_out(group):
+            out.swapped_out.append(group)
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(group).items())
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
