@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from encdec_engine.entrypoints.server_errors import APIError
+from encdec_engine.speech import ffmpeg
 from encdec_engine.speech.audio import (AUDIO_EXTENSIONS, N_SAMPLES, SAMPLE_RATE, AudioError, AudioTooLong, load_audio,
                                         load_audio_bytes, read_header)
 from encdec_engine.speech.job import TranscriptionJob
@@ -96,12 +97,12 @@ class UploadedAudio:
             except AudioError:
                 if self.suffix not in _FFMPEG_ONLY:
                     raise
-            return load_audio(self._file(), max_seconds=self.max_seconds)  # m4a, webm, ...: ffmpeg reads paths
+            # m4a, webm, ...: ffmpeg reads a file; errors name the upload, not the temporary file.
+            return load_audio(self._file(), max_seconds=self.max_seconds, name=self.name)
         except AudioTooLong as e:
             raise too_long(e.seconds, self.max_seconds, at_least=True) from None
         except AudioError as e:
-            raise APIError(400, f"cannot decode the uploaded audio {self.name!r} (corrupt or unsupported codec): "
-                                f"{e}", "file") from None
+            raise APIError(400, f"cannot decode the uploaded audio: {e}", "file") from None
 
     def _probe_soundfile(self) -> Probe | None:
         buffer = io.BytesIO(self.data)
@@ -113,13 +114,13 @@ class UploadedAudio:
         return Probe(seconds, rate or None, channels or None)
 
     def _probe_ffmpeg(self) -> Probe | None:
-        import audioread
-
         try:
-            with audioread.ffdec.FFmpegAudioFile(self._file()) as f:  # ffmpeg reads the header and stops
-                return Probe(f.duration or None, f.samplerate or None, f.channels or None)
-        except Exception:
+            info = ffmpeg.probe(self._file(), self.name)  # the container's header; a playlist is refused
+        except ffmpeg.FormatError as e:
+            raise APIError(400, f"cannot decode the uploaded audio: {e}", "file") from None
+        except FileNotFoundError:  # no ffprobe: decoding says so
             return None
+        return Probe(info.seconds, info.sample_rate, info.channels)
 
     def _file(self) -> str:
         if self.path is None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import io
 import os
-import warnings
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+
+from encdec_engine.speech import ffmpeg
 
 SAMPLE_RATE = 16000  # Hz, the rate Whisper was trained on
 N_FFT = 400  # samples per STFT window (25 ms)
@@ -104,19 +105,6 @@ def _decode_soundfile(source: AudioSource, max_seconds: float | None) -> tuple[n
         return f.read(frames, dtype="float32", always_2d=True), f.samplerate
 
 
-def _decode_audioread(path: str, max_seconds: float | None) -> tuple[np.ndarray, int]:
-    # Formats libsndfile lacks (m4a, aac, wma...) go through audioread/ffmpeg via librosa.
-    import librosa
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # librosa flags its audioread fallback as deprecated
-        # librosa stops reading at `duration`: a small file that decodes to hours never fills memory.
-        duration = None if max_seconds is None else max_seconds + 0.1
-        data, rate = librosa.load(path, sr=None, mono=False, duration=duration)
-    data = data[np.newaxis, :] if data.ndim == 1 else data  # data: [channels, num_samples]
-    return data.T, int(rate)
-
-
 def read_header(source: AudioSource) -> tuple[float | None, int, int] | None:
     """(seconds, sample rate, channels) from a file's header, as libsndfile reads it, without decoding;
     None when libsndfile does not know the file (or it is missing). Seconds is None when the header
@@ -131,16 +119,18 @@ def read_header(source: AudioSource) -> tuple[float | None, int, int] | None:
     return seconds, info.samplerate, info.channels
 
 
-def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE, max_seconds: float | None = None) -> np.ndarray:
+def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE, max_seconds: float | None = None,
+               name: str | None = None) -> np.ndarray:
     """Decode an audio file (path or binary file object) to float32 mono at ``sr`` Hz.
 
-    Reads WAV, FLAC, OGG/Vorbis/Opus and MP3 with libsndfile; for paths, anything else
-    ffmpeg (through audioread) can decode. Any sample rate and channel count.
-    Raises ``AudioError`` naming the file when it is missing, empty, has no samples,
-    has an unsupported extension, or cannot be decoded, and ``AudioTooLong`` when it holds
-    more than ``max_seconds`` of audio (decoding stops there). Returns ``[num_samples]``.
+    Reads WAV, FLAC, OGG/Vorbis/Opus and MP3 with libsndfile; for paths, the containers ffmpeg
+    decodes (MP4/M4A, WebM/Matroska, WMA, ...: `speech/ffmpeg.py`, which refuses playlists and any
+    file that refers to others). Any sample rate and channel count. Raises ``AudioError`` naming the
+    file (``name``, default: the path) when it is missing, empty, has no samples, has an unsupported
+    extension or format, or cannot be decoded, and ``AudioTooLong`` when it holds more than
+    ``max_seconds`` of audio (decoding stops there). Returns ``[num_samples]``.
     """
-    name = _describe(path_or_file)
+    name = name or _describe(path_or_file)
     is_path = isinstance(path_or_file, (str, os.PathLike))
     if is_path:
         path = Path(path_or_file)
@@ -159,9 +149,11 @@ def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE, max_seconds: fl
         if suffix not in AUDIO_EXTENSIONS:
             raise AudioError(f"unsupported audio format {suffix or '(no extension)'!r}: {name}") from sf_error
         try:
-            data, rate = _decode_audioread(str(path_or_file), max_seconds)
-        except Exception as ar_error:
-            raise AudioError(f"cannot decode audio file (corrupt or unsupported codec): {name}") from ar_error
+            data, rate = ffmpeg.decode(str(path_or_file), name, max_seconds)
+        except ffmpeg.FormatError as e:
+            raise AudioError(str(e)) from None
+        except FileNotFoundError as e:  # no ffmpeg
+            raise AudioError(f"cannot decode {name}: {e}") from None
     if data.size == 0:
         raise AudioError(f"audio file contains no samples: {name}")
     if max_seconds is not None and len(data) > max_seconds * rate:

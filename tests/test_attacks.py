@@ -1,0 +1,119 @@
+"""Inputs an attacker would craft, each one that worked on an earlier main: media that makes the decoder
+read the server's own files, output paths that leave the output folder, requests that make the server
+allocate far more than they send, and errors that show the server's paths."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_server import AUDIO, LiveServer
+
+from encdec_engine.entrypoints.server import ServerLimits, build_app
+from encdec_engine.models.ct2_import import default_model_path
+from encdec_engine.speech import ffmpeg
+from encdec_engine.speech.audio import AudioError, load_audio
+
+PLAYLISTS = {
+    "ffconcat": "ffconcat version 1.0\nfile {target}\n",
+    "concat list": "file '{target}'\n",
+    "M3U/HLS": "#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\n{target}\n#EXT-X-ENDLIST\n",
+    "PLS": "[playlist]\nFile1={target}\nNumberOfEntries=1\n",
+}
+CONTAINER_SUFFIXES = (".m4a", ".mp4", ".webm", ".mkv", ".avi", ".wma", ".mov")
+
+
+@pytest.fixture(scope="module")
+def playlists(tmp_path_factory) -> Path:
+    """Playlists next to a WAV they point at (relative and absolute), under every container suffix."""
+    folder = tmp_path_factory.mktemp("playlists")
+    target = folder / "secret.wav"
+    target.write_bytes((AUDIO / "fox.wav").read_bytes())
+    for kind, text in PLAYLISTS.items():
+        for suffix in CONTAINER_SUFFIXES:
+            for how, ref in (("rel", "secret.wav"), ("abs", str(target))):
+                (folder / f"{kind.split()[0].replace('/', '_')}-{how}{suffix}").write_text(text.format(target=ref))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def containers(tmp_path_factory) -> dict[str, Path]:
+    """The same speech in each container ffmpeg decodes for us."""
+    folder = tmp_path_factory.mktemp("containers")
+    out = {}
+    for suffix, codec in ((".m4a", "aac"), (".mp4", "aac"), (".webm", "libopus"), (".mkv", "libvorbis"),
+                          (".avi", "pcm_s16le"), (".wma", "wmav2"), (".mov", "aac"), (".aac", "aac"),
+                          (".ac3", "ac3"), (".caf", "pcm_s16le"), (".wv", "wavpack")):
+        path = folder / f"fox{suffix}"
+        subprocess.run(["ffmpeg", "-v", "error", "-i", str(AUDIO / "fox.wav"), "-c:a", codec, str(path)], check=True)
+        out[suffix] = path
+    return out
+
+
+def test_every_playlist_is_refused_whatever_its_suffix(playlists):
+    """The issue's case: `ffconcat version 1.0\\nfile some/path.wav` saved as x.m4a used to decode the WAV."""
+    files = sorted(playlists.glob("*-*.*"))
+    assert len(files) == len(PLAYLISTS) * len(CONTAINER_SUFFIXES) * 2
+    for path in files:
+        with pytest.raises(AudioError, match="playlist|concat list") as e:
+            load_audio(path, name=path.name)
+        assert "refer to other files" in str(e.value) and str(path.parent) not in str(e.value)
+
+
+def test_each_container_is_decoded_by_the_demuxer_its_bytes_name(containers):
+    reference = load_audio(AUDIO / "fox.wav")
+    for suffix, path in containers.items():
+        samples = load_audio(path)
+        assert abs(len(samples) - len(reference)) < 0.1 * len(reference), suffix
+    head = {suffix: path.read_bytes()[:ffmpeg.HEADER_BYTES] for suffix, path in containers.items()}
+    assert {s: ffmpeg.sniff(h, s) for s, h in head.items()} == {
+        ".m4a": "mov", ".mp4": "mov", ".mov": "mov", ".webm": "matroska", ".mkv": "matroska", ".avi": "avi",
+        ".wma": "asf", ".aac": "aac", ".ac3": "ac3", ".caf": "caf", ".wv": "wv"}
+
+
+def test_unknown_bytes_are_refused_naming_the_formats_decoded(tmp_path):
+    path = tmp_path / "noise.m4a"
+    path.write_bytes(b"\x00\x01garbage that no container starts with")
+    with pytest.raises(AudioError, match=r"noise.m4a is not in an audio format this engine decodes \(WAV, "):
+        load_audio(path)
+
+
+@pytest.fixture(scope="module")
+def whisper_server():
+    server = LiveServer(build_app(str(default_model_path()), kv_cache_space_gb=0.1,
+                                  limits=ServerLimits(max_upload_mb=2.0, max_audio_seconds=60.0)))
+    yield server
+    server.stop()
+
+
+def test_an_uploaded_playlist_gets_a_400_naming_it_and_no_transcript(whisper_server, playlists):
+    """The server used to answer with the transcript of a file on its own disk."""
+    with whisper_server.http() as http:
+        for suffix in CONTAINER_SUFFIXES:
+            for how in ("rel", "abs"):
+                name = f"ffconcat-{how}{suffix}"
+                r = http.post("/v1/audio/transcriptions", files={"file": (name, (playlists / name).read_bytes())},
+                              data={"model": "whisper-1", "response_format": "text"})
+                assert r.status_code == 400, (name, r.text)
+                error = r.json()["error"]
+                assert f"{name} is an ffconcat playlist" in error["message"] and error["param"] == "file"
+    whisper_server.assert_clean()
+
+
+def test_an_undecodable_upload_names_the_clients_file_never_a_server_path(whisper_server):
+    fake_mp4 = b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64  # an MP4 header and nothing behind it
+    with whisper_server.http() as http:
+        r = http.post("/v1/audio/transcriptions", files={"file": ("call.m4a", fake_mp4)}, data={"model": "whisper-1"})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "call.m4a" in message, r.text
+    assert "/tmp" not in message and "/" not in message.replace("MP4/M4A/MOV", ""), message
+    whisper_server.assert_clean()
+
+
+def test_the_cli_refuses_a_playlist_naming_it(playlists, tmp_path):
+    from test_cli_transcribe import encdec
+
+    r = encdec("transcribe", str(playlists / "ffconcat-rel.m4a"), "--output-dir", str(tmp_path), "--quiet")
+    assert r.returncode == 1 and "ffconcat-rel.m4a is an ffconcat playlist" in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())
