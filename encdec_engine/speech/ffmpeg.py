@@ -97,7 +97,7 @@ def probe(path: str, name: str) -> StreamInfo:
                "-show_entries", "stream=sample_rate,channels,duration:format=duration", "-of", "json"]
     done = subprocess.run(command, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
-        raise FormatError(f"cannot read {name} as {demuxer} (corrupt or truncated)")
+        raise FormatError(f"cannot decode {name} ({demuxer}: corrupt or truncated)")
     info = json.loads(done.stdout or b"{}")
     streams = info.get("streams") or []
     if not streams:
