@@ -117,3 +117,39 @@ def test_the_cli_refuses_a_playlist_naming_it(playlists, tmp_path):
     r = encdec("transcribe", str(playlists / "ffconcat-rel.m4a"), "--output-dir", str(tmp_path), "--quiet")
     assert r.returncode == 1 and "ffconcat-rel.m4a is an ffconcat playlist" in r.stderr, r.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("output", ["/tmp/escaped", "../escaped", "calls/../../escaped", "~/escaped", "C:/escaped",
+                                    "a\\..\\escaped", ".", "./"])
+def test_a_manifest_output_outside_the_output_folder_is_refused(tmp_path, output):
+    import json
+
+    from encdec_engine.distributed.inputs import audio_inputs
+
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text(json.dumps({"audio": str(AUDIO / "fox.wav"), "output": output}) + "\n")
+    with pytest.raises(ValueError, match=rf"jobs.jsonl:1: field 'output' .*{'names no file' if output in './/' else ''}"):
+        audio_inputs(manifest=manifest)
+
+
+def test_two_spellings_of_one_output_collide_before_any_work(tmp_path, monkeypatch):
+    """`call` and `./call` used to be two outputs landing in one file (one transcript lost, and --resume
+    counted both as done)."""
+    import json
+
+    from encdec_engine import distributed
+    from encdec_engine.distributed.inputs import audio_inputs
+
+    manifest = tmp_path / "jobs.jsonl"
+    lines = [{"audio": str(AUDIO / "fox.wav"), "output": "call"}, {"audio": str(AUDIO / "coffee.wav"), "output": "./call"},
+             {"audio": str(AUDIO / "stella.wav"), "output": "calls//2024/./one"}]
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match=r"would both be written as call\.\*"):
+        audio_inputs(manifest=manifest)
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines[1:]))
+    assert [i.output for i in audio_inputs(manifest=manifest)] == ["call", "calls/2024/one"]
+    monkeypatch.setattr("encdec_engine.distributed.jobs.connect", lambda *a: pytest.fail("a cluster was started"))
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match="would both be written"):
+        distributed.transcribe(manifest=manifest, output_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()

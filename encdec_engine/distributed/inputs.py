@@ -19,7 +19,7 @@ import glob
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 # What a folder given as a transcription input contributes (librosa reads more; name those directly).
@@ -73,8 +73,8 @@ def audio_inputs(specs: Iterable[str] = (), manifest: str | Path | None = None) 
         entry = {"audio": value} if isinstance(value, str) else value
         audio = _field(entry, "audio", where, str)
         path = (base / Path(audio).expanduser()).resolve()
-        items.append(JobInput(_id(entry, where, str(path)), {"audio": str(path)},
-                              _field(entry, "output", where, str, path.stem), str(path)))
+        output = _output_name(_field(entry, "output", where, str, path.stem), where)
+        items.append(JobInput(_id(entry, where, str(path)), {"audio": str(path)}, output, str(path)))
     return _checked(items)
 
 
@@ -139,6 +139,21 @@ def _field(entry: dict, name: str, where: str, kind: type, default: Any = ...) -
     if not isinstance(value, kind) or (kind is str and not value):
         raise ValueError(f"{where}: field {name!r} must be a non-empty {kind.__name__}, got {value!r}")
     return value
+
+
+def _output_name(value: str, where: str) -> str:
+    """A manifest's "output" as a name inside the output folder, normalized ("./a//b" -> "a/b"), so
+    that two spellings of one file are seen to collide; absolute paths and ".." are refused."""
+    path = PurePosixPath(value)
+    if path.is_absolute() or PureWindowsPath(value).drive or value.startswith("~"):
+        raise ValueError(f"{where}: field 'output' must be a path relative to the output folder, got {value!r}")
+    if ".." in path.parts or "\\" in value or "\0" in value:
+        raise ValueError(f"{where}: field 'output' must stay inside the output folder (no '..' and no "
+                         f"backslashes), got {value!r}")
+    name = path.as_posix()
+    if name in ("", "."):
+        raise ValueError(f"{where}: field 'output' names no file, got {value!r}")
+    return name
 
 
 def _id(entry: dict, where: str, default: str) -> str:
