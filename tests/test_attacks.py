@@ -153,3 +153,104 @@ def test_two_spellings_of_one_output_collide_before_any_work(tmp_path, monkeypat
     with pytest.raises(ValueError, match="would both be written"):
         distributed.transcribe(manifest=manifest, output_dir=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+PART = b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'
+
+
+def _slow_upload(url: str, length: int, first: bytes, source: str = "127.0.0.2"):
+    """A raw connection from `source` that sends an upload's headers and `first` body bytes, then stalls."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.connect((host, int(port)))
+    sock.sendall(f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n"
+                 "Content-Type: multipart/form-data; boundary=b\r\n\r\n".encode() + first)
+    return sock
+
+
+@pytest.fixture(scope="module")
+def guarded_server():
+    limits = ServerLimits(max_upload_mb=3.0, max_audio_memory_mb=16.0, max_client_audio_mb=4.0,
+                          body_grace_s=1.5, min_body_kb_per_s=16.0, max_audio_seconds=60.0)
+    server = LiveServer(build_app(str(default_model_path()), kv_cache_space_gb=0.1, limits=limits))
+    yield server
+    server.stop()
+
+
+def test_stalled_uploads_hold_nothing_but_their_bytes_and_get_408(guarded_server):
+    """The issue's case: 16 connections that send headers and 5 bytes kept every legitimate upload at 429
+    as long as they stayed open. Now they hold 5 bytes each, the upload beside them is served, and each
+    stalled one gets 408 once it falls under the minimum rate."""
+    import time
+
+    memory, wav = guarded_server.state.audio_memory, (AUDIO / "weather.wav").read_bytes()
+    stalled = [_slow_upload(guarded_server.url, 2_900_000, b"--b\r\n") for _ in range(16)]
+    try:
+        deadline = time.monotonic() + 10
+        while memory.used != 16 * 5:
+            assert time.monotonic() < deadline, memory.used
+            time.sleep(0.02)
+        with guarded_server.http() as http:
+            r = http.post("/v1/audio/transcriptions", files={"file": ("weather.wav", wav)}, data={"model": "whisper-1"})
+        assert r.status_code == 200, r.text
+        for sock in stalled:
+            sock.settimeout(30)
+            answer = sock.recv(65536).decode()
+            assert answer.startswith("HTTP/1.1 408"), answer
+            assert "request body too slow: 5 bytes in" in answer and "16 KB/s after the first 1.5 s" in answer
+    finally:
+        for sock in stalled:
+            sock.close()
+    guarded_server.assert_clean()
+
+
+def test_one_address_cannot_hold_more_than_its_share(guarded_server):
+    import time
+
+    memory, wav = guarded_server.state.audio_memory, (AUDIO / "weather.wav").read_bytes()
+    first = _slow_upload(guarded_server.url, 2_900_000, PART + b"\x00" * 2_500_000)
+    try:
+        deadline = time.monotonic() + 10
+        while memory.used < 2_500_000:
+            assert time.monotonic() < deadline, memory.used
+            time.sleep(0.02)
+        second = _slow_upload(guarded_server.url, 2_900_000, PART + b"\x00" * 2_000_000)
+        second.settimeout(30)
+        answer = second.recv(65536).decode()
+        second.close()
+        assert answer.startswith("HTTP/1.1 429") and "over the per-client limit of 4.0 MB" in answer, answer
+        with guarded_server.http() as http:  # another address is served meanwhile
+            r = http.post("/v1/audio/transcriptions", files={"file": ("weather.wav", wav)}, data={"model": "whisper-1"})
+        assert r.status_code == 200, r.text
+    finally:
+        first.close()
+    guarded_server.assert_clean()
+
+
+@pytest.fixture(scope="module")
+def bart_server(bart_path):
+    server = LiveServer(build_app(str(bart_path), limits=ServerLimits(max_request_tokens=4096), num_kv_blocks=256))
+    yield server
+    server.stop()
+
+
+def test_one_small_request_cannot_ask_for_gigabytes(bart_server):
+    """The issue's case: 256 prompts x n=16 x the model's length with 20 logprobs each made a 1.2 KB
+    request produce a 50 MB response and +656 MB of server memory. Now it is refused at admission,
+    naming the fields; logprobs stop at OpenAI's 5."""
+    body = {"prompt": ["word " * 8] * 256, "n": 16, "max_tokens": 64, "logprobs": 5,
+            "temperature": 1.0}
+    with bart_server.http() as http:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        message = r.json()["error"]["message"]
+        assert "256 prompts x 16 sequences (n/best_of) x max_tokens 64 x (1 + logprobs 5) = 1572864" in message
+        assert "budget of 4096 per request" in message
+        r = http.post("/v1/completions", json={**body, "logprobs": 20})
+        assert r.status_code == 400 and "logprobs" in r.text, r.text
+        r = http.post("/v1/completions", json={"prompt": ["word"] * 4, "n": 2, "max_tokens": 8, "logprobs": 5})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text
+    bart_server.assert_clean()

@@ -89,6 +89,8 @@ def server_limits(args):
     return ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
                         max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
                         max_audio_seconds=args.max_audio_seconds, max_audio_memory_mb=args.max_audio_memory_mb,
+                        max_client_audio_mb=args.max_client_audio_mb, min_body_kb_per_s=args.min_body_kb_per_s,
+                        body_grace_s=args.body_grace_s, max_request_tokens=args.max_request_tokens,
                         protect_info=args.protect_info)
 
 
@@ -122,6 +124,14 @@ def _add_serve_parser(sub) -> None:
     sv.add_argument("--max-audio-memory-mb", type=float, default=4096.0,
                     help="memory for the audio of transcriptions in flight (uploads, samples, log-mels: about "
                          "350 MB per hour of audio), held from upload to the job's end; beyond: 429")
+    sv.add_argument("--max-client-audio-mb", type=float, default=None,
+                    help="what one client address may hold of that memory (default: a quarter); beyond: 429")
+    sv.add_argument("--min-body-kb-per-s", type=float, default=16.0,
+                    help="the slowest a request body may arrive, on average after --body-grace-s; slower: 408")
+    sv.add_argument("--body-grace-s", type=float, default=10.0, help="seconds before the body rate is enforced")
+    sv.add_argument("--max-request-tokens", type=int, default=65536,
+                    help="tokens one completion request may generate: prompts x best_of x max_tokens x "
+                         "(1 + logprobs); beyond: 400")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

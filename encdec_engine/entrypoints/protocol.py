@@ -167,7 +167,7 @@ class CompletionRequest(BaseModel):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(None, ge=0, lt=MAX_SEED + 1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's limit for completions
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)

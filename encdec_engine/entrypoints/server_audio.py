@@ -43,18 +43,14 @@ async def create_translation(request: Request) -> Response:
 async def _audio_request(request: Request, task: str) -> Response:
     st = state_of(request)
     st.require(audio=True, path=request.url.path)
-    # Admitted before the body is read: a queue slot, and audio memory for the upload (the gate has
-    # refused a Content-Length over the limit; a body of unknown length is counted at the limit).
-    length = request.headers.get("content-length", "")
+    # The gate reserves the upload's audio memory as its bytes arrive (a slow client holds only what it
+    # sent, and only as long as it keeps the minimum rate) and releases it when the request is over;
+    # the queue slot is taken once the body is in.
+    reservation: Reservation = request.state.audio_reservation
+    upload, fields = await _read_form(request)
     ticket = st.admission.acquire(1)
-    try:
-        reservation = st.audio_memory.reserve(int(length) if length.isdigit() else st.limits.max_body_bytes)
-    except APIError:
-        ticket.release_all()
-        raise
     handed_over = False
     try:
-        upload, fields = await _read_form(request)
         schema = P.TranscriptionRequest if task == "transcribe" else P.TranslationRequest
         try:
             req = schema.model_validate(fields)
@@ -102,7 +98,6 @@ async def _audio_request(request: Request, task: str) -> Response:
     finally:
         if not handed_over:
             ticket.release_all()
-            reservation.release()
     return _audio_response(result, req.response_format, task, getattr(req, "timestamp_granularities", []))
 
 

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from encdec_engine.entrypoints import protocol as P
 from encdec_engine.entrypoints.server_errors import APIError, engine_error
+from encdec_engine.entrypoints.server_gate import check_request_tokens
 from encdec_engine.entrypoints.server_state import ServerState, SSEResponse, sse, sse_error, state_of, until_disconnect
 from encdec_engine.outputs import RequestOutput
 
@@ -28,6 +29,10 @@ async def create_completion(body: P.CompletionRequest, request: Request) -> Resp
     except ValueError as e:
         raise APIError(400, str(e)) from None
     prompts, request_id = body.prompt, f"cmpl-{uuid.uuid4().hex}"
+    # A sequence never outgrows the model (a max_tokens past it is refused by the engine, naming the limit).
+    model_len = st.engine.engine.max_decoder_len
+    check_request_tokens(st.limits, len(prompts), params.best_of, min(params.max_tokens or model_len, model_len),
+                         body.logprobs)
     ids = [f"{request_id}-{i}" for i in range(len(prompts))]
     ticket = st.admission.acquire(len(prompts))
     outputs = st.engine.generate_batch(prompts, [params] * len(prompts), ids)

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 class APIError(Exception):
     """An error answered as OpenAI's `{"error": {...}}` with its HTTP status."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "request_timeout",
              413: "request_too_large", 429: "rate_limit_error", 499: "client_closed_request",
              500: "internal_error", 503: "service_unavailable"}
 

@@ -3,6 +3,7 @@ bounded queue of engine requests admitted but not yet running (with `ServerLimit
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from encdec_engine.entrypoints.server_errors import APIError
 if TYPE_CHECKING:
     from encdec_engine.entrypoints.server_state import ServerState
 
+_MB = 1 << 20
+_UPLOAD_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 _API_PATHS = ("/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models")
 # What the server tells about itself (load, the API's shape): guarded when ServerLimits.protects_info.
 INFO_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
@@ -29,9 +32,16 @@ class ServerLimits:
     max_queue: int = 256  # engine requests admitted but not yet running; more get 429
     max_upload_mb: float = 25.0  # request body size (OpenAI's audio limit); more get 413
     max_audio_seconds: float = 3600.0  # decoded audio length; more get 413
-    # Audio held by the transcriptions in flight (uploads, samples, log-mels: about 350 MB per hour of
-    # audio), reserved before a body is read and held until its job ends; more get 429.
+    # Audio held by the transcriptions in flight (uploads as their bytes arrive, samples, log-mels: about
+    # 350 MB per hour of audio), held until the job ends; more get 429.
     max_audio_memory_mb: float = 4096.0
+    # What one client address may hold of that budget (None: a quarter of it, at least one upload).
+    max_client_audio_mb: float | None = None
+    # A body must arrive at this rate on average, after a grace period; slower gets 408.
+    min_body_kb_per_s: float = 16.0
+    body_grace_s: float = 10.0
+    # Tokens one completion request may ask the engine for: prompts x best_of x max_tokens x (1 + logprobs).
+    max_request_tokens: int = 65536
     preprocess_workers: int = 2  # audio decodes / log-mels computed at once (off the event loop)
 
     def __post_init__(self) -> None:
@@ -42,6 +52,14 @@ class ServerLimits:
         if self.max_audio_memory_mb < self.max_upload_mb:
             raise ValueError(f"max_audio_memory_mb ({self.max_audio_memory_mb:g}) must be at least max_upload_mb "
                              f"({self.max_upload_mb:g}): one upload must fit")
+        if self.max_client_audio_mb is not None and not (
+                self.max_upload_mb <= self.max_client_audio_mb <= self.max_audio_memory_mb):
+            raise ValueError(f"max_client_audio_mb ({self.max_client_audio_mb:g}) must lie between max_upload_mb "
+                             f"({self.max_upload_mb:g}) and max_audio_memory_mb ({self.max_audio_memory_mb:g})")
+        if self.min_body_kb_per_s <= 0 or self.body_grace_s <= 0:
+            raise ValueError("min_body_kb_per_s and body_grace_s must be positive")
+        if self.max_request_tokens < 1:
+            raise ValueError(f"max_request_tokens must be at least 1, got {self.max_request_tokens}")
         if self.preprocess_workers < 1:
             raise ValueError(f"preprocess_workers must be at least 1, got {self.preprocess_workers}")
         if self.api_key is not None and not self.api_key:
@@ -53,13 +71,25 @@ class ServerLimits:
 
     @property
     def max_body_bytes(self) -> int:
-        return int(self.max_upload_mb * (1 << 20))
+        return int(self.max_upload_mb * _MB)
+
+    @property
+    def max_client_audio_bytes(self) -> int:
+        if self.max_client_audio_mb is not None:
+            return int(self.max_client_audio_mb * _MB)
+        return int(max(self.max_upload_mb, self.max_audio_memory_mb / 4) * _MB)
 
 
 class _BodyTooLarge(HTTPException):
     # An HTTPException so that FastAPI's body reader passes it through instead of making it a 400.
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body is larger than this server's limit of {limit / (1 << 20):g} MB")
+        super().__init__(413, f"request body is larger than this server's limit of {limit / _MB:g} MB")
+
+
+class _BodyTooSlow(HTTPException):
+    def __init__(self, received: int, seconds: float, limits: ServerLimits) -> None:
+        super().__init__(408, f"request body too slow: {received} bytes in {seconds:.0f} s; this server needs "
+                              f"{limits.min_body_kb_per_s:g} KB/s after the first {limits.body_grace_s:g} s")
 
 
 # -- admission: the bounded waiting queue -----------------------------------
@@ -101,41 +131,86 @@ class Admission:
         return Ticket(self, n)
 
 
+# -- the output budget of one request ------------------------------------------
+def check_request_tokens(limits: ServerLimits, prompts: int, sequences: int, max_tokens: int,
+                         logprobs: int | None) -> None:
+    """400 when a request may make the engine generate (and the server hold and send) more than
+    `max_request_tokens`: prompts x sequences per prompt (best_of) x max_tokens, each token counting
+    1 + logprobs (the alternatives it carries)."""
+    weight = 1 + (logprobs or 0)
+    total = prompts * sequences * max_tokens * weight
+    if total > limits.max_request_tokens:
+        factors = f"{prompts} prompts x {sequences} sequences (n/best_of) x max_tokens {max_tokens}"
+        if logprobs:
+            factors += f" x (1 + logprobs {logprobs})"
+        raise APIError(400, f"this request may generate {factors} = {total} tokens, more than this server's "
+                            f"budget of {limits.max_request_tokens} per request; lower max_tokens, n/best_of or "
+                            "logprobs, or send fewer prompts per request", "max_tokens")
+
+
 # -- audio memory: bytes held by transcriptions in flight ---------------------
 class Reservation:
-    """Bytes one transcription holds in the server's `AudioMemory`, resized as it moves from upload to
-    decoded job; released once (when the job ends)."""
+    """Bytes one transcription holds in the server's `AudioMemory`: its upload as the bytes arrive, then
+    the decode's peak, then the loaded job; released once (when the request ends)."""
 
-    def __init__(self, memory: AudioMemory) -> None:
-        self.memory, self.held = memory, 0
+    def __init__(self, memory: AudioMemory, client: str) -> None:
+        self.memory, self.client, self.held = memory, client, 0
+        self.arriving = True  # the body is still being received
+
+    def grow(self, nbytes: int) -> None:
+        self.resize(self.held + nbytes)
 
     def resize(self, nbytes: int) -> None:
         """Hold `nbytes` now (more or fewer than before); 429 if growing does not fit."""
-        self.memory.take(max(0, nbytes) - self.held)
-        self.held = max(0, nbytes)
+        nbytes = max(0, nbytes)
+        self.memory.take(self, nbytes - self.held)
+        self.held = nbytes
+
+    def arrived(self) -> None:
+        if self.arriving:
+            self.arriving = False
+            self.memory.arriving -= self.held
 
     def release(self) -> None:
-        self.memory.take(-self.held)
-        self.held = 0
+        self.resize(0)
+        self.arrived()
 
 
 class AudioMemory:
-    """The byte budget of audio in flight (event loop only, so exact)."""
+    """The byte budget of audio in flight, in all and per client address (event loop only, so exact)."""
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, client_limit_bytes: int | None = None) -> None:
         self.limit, self.used = limit_bytes, 0
+        self.client_limit = client_limit_bytes or limit_bytes
+        self.by_client: dict[str, int] = {}
+        self.arriving = 0  # bytes of bodies still being received (part of `used`)
 
-    def reserve(self, nbytes: int) -> Reservation:
-        reservation = Reservation(self)
-        reservation.resize(nbytes)
-        return reservation
+    def reserve(self, client: str = "") -> Reservation:
+        """An empty reservation for a request from `client` (its address)."""
+        return Reservation(self, client)
 
-    def take(self, nbytes: int) -> None:
+    def take(self, reservation: Reservation, nbytes: int) -> None:
+        client = reservation.client
+        held = self.by_client.get(client, 0)
+        if nbytes > 0 and held + nbytes > self.client_limit:
+            raise APIError(429, f"your address holds {_mb(held)} of audio in requests in flight; this one needs "
+                                f"{_mb(nbytes)} more, over the per-client limit of {_mb(self.client_limit)}; "
+                                "retry once your other requests have finished")
         if nbytes > 0 and self.used + nbytes > self.limit:
-            mb = 1 << 20
-            raise APIError(429, f"server busy: transcriptions in flight hold {self.used / mb:.0f} MB of audio; this "
-                                f"one needs {nbytes / mb:.0f} MB more (limit {self.limit / mb:.0f} MB); retry shortly")
+            raise APIError(429, f"server busy: requests in flight hold {_mb(self.used)} of audio ({_mb(self.arriving)} "
+                                f"of it in uploads still arriving); this one needs {_mb(nbytes)} more, over the "
+                                f"limit of {_mb(self.limit)}; retry shortly")
         self.used += nbytes
+        if reservation.arriving:
+            self.arriving += nbytes
+        if held + nbytes:
+            self.by_client[client] = held + nbytes
+        else:
+            self.by_client.pop(client, None)
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / _MB:.1f} MB"
 
 
 # -- the gate: API key, body size, metrics (pure ASGI, so streaming is timed to the last byte) --
@@ -157,15 +232,37 @@ class Gate:
                 done[0] = True
             await send(message)
 
-        received = 0
+        received, started, complete = 0, time.monotonic(), [False]
+        reservation = self.state.audio_memory.reserve(_client(scope)) if path in _UPLOAD_PATHS else None
+        if reservation is not None:
+            scope.setdefault("state", {})["audio_reservation"] = reservation
 
         async def receive_limited():
+            """The body as it arrives: at the minimum rate (408), within the size limit (413), and for
+            an upload, reserved from the audio budget byte by byte (429)."""
             nonlocal received
-            message = await receive()
+            if complete[0]:  # the body is in: waiting for a disconnect has no deadline
+                return await receive()
+            deadline = started + limits.body_grace_s + received / (limits.min_body_kb_per_s * 1024)
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise _BodyTooSlow(received, time.monotonic() - started, limits) from None
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                body = message.get("body", b"")
+                received += len(body)
                 if received > limits.max_body_bytes:
                     raise _BodyTooLarge(limits.max_body_bytes)
+                if reservation is not None:
+                    try:
+                        reservation.grow(len(body))
+                    except APIError as e:  # raised inside the body reader: as an HTTPException
+                        raise HTTPException(e.status, e.message) from None
+                complete[0] = not message.get("more_body", False)
+                if complete[0] and reservation is not None:
+                    reservation.arrived()
+            else:
+                complete[0] = True
             return message
 
         try:
@@ -183,8 +280,15 @@ class Gate:
                 return await error.response()(scope, receive, send_timed)
             await self.app(scope, receive_limited, send_timed)
         finally:
+            if reservation is not None:  # the request is over, answer sent: its audio goes
+                reservation.release()
             if endpoint is not None:
                 self.state.metrics.observe(endpoint, status[0] if done[0] else 499, time.monotonic() - start)
+
+
+def _client(scope) -> str:
+    client = scope.get("client")
+    return client[0] if client else ""
 
 
 def _check_api_key(header: bytes | None, api_key: str) -> APIError | None:

@@ -32,7 +32,7 @@ class ServerState:
         self.model_name = served_model_name or Path(self.model_path).name or self.model_path
         self.aliases = {self.model_name, self.model_path} | ({"whisper-1"} if self.is_audio else set())
         self.admission = Admission(limits.max_queue)
-        self.audio_memory = AudioMemory(int(limits.max_audio_memory_mb * (1 << 20)))
+        self.audio_memory = AudioMemory(int(limits.max_audio_memory_mb * (1 << 20)), limits.max_client_audio_bytes)
         self.metrics = Metrics()
         self.preprocess = asyncio.Semaphore(limits.preprocess_workers)
 
