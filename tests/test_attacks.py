@@ -254,3 +254,75 @@ def test_one_small_request_cannot_ask_for_gigabytes(bart_server):
         r = http.post("/v1/completions", json={"prompt": ["word"] * 4, "n": 2, "max_tokens": 8, "logprobs": 5})
         assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text
     bart_server.assert_clean()
+
+
+def test_every_endpoint_refuses_token_limits_past_the_model(whisper_server):
+    """One rule on every endpoint: asking for more tokens than the model has positions is a 400 naming the
+    field (the audio endpoints used to answer max_completion_tokens=10000000 with 200)."""
+    with whisper_server.http() as http, open(AUDIO / "fox.wav", "rb") as f:
+        r = http.post("/v1/audio/transcriptions", files={"file": ("fox.wav", f.read())},
+                      data={"model": "whisper-1", "max_completion_tokens": "10000000"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "max_completion_tokens", r.text
+    assert "plus the window's 2-token decoder prompt is more than the model's limit of 448 positions; ask for at " \
+           "most 446" in error["message"]
+
+
+def test_the_openapi_document_says_what_the_forms_and_bodies_take(whisper_server, bart_server):
+    audio = whisper_server.http().get("/openapi.json").json()
+    form = audio["paths"]["/v1/audio/transcriptions"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    fields = form["schema"]["properties"]
+    assert not [name for name, field in fields.items() if "null" in str(field)]  # a form has no null
+    assert fields["max_completion_tokens"]["maximum"] == 446 and "en" in fields["language"]["enum"]
+    assert "de" not in fields["language"]["enum"]  # English-only tiny.en
+    text = bart_server.http().get("/openapi.json").json()
+    request = text["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert request["suffix"]["type"] == "null" and request["echo"]["anyOf"][0] == {"const": False, "type": "boolean"}
+    assert {"type": "null"} in request["skip_special_tokens"]["anyOf"]  # null is taken (as the default)
+    vocab = bart_server.engine.engine.input_processor.vocab_size
+    assert request["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == vocab - 1
+    with bart_server.http() as http:
+        r = http.post("/v1/completions", json={"prompt": [5.0, 6.0], "max_tokens": 2.0, "skip_special_tokens": None})
+        assert r.status_code == 200, r.text  # JSON Schema's integers include 2.0
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": "2"}).status_code == 400
+
+
+def test_atomic_writes_reach_the_disk_before_and_after_the_rename(tmp_path, monkeypatch):
+    """After a power loss `--resume` must never find an empty file where a finished transcript was: the
+    data is synced before the rename, the rename (the folder) after it."""
+    import os
+
+    from encdec_engine.entrypoints import writers
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
+                        or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", None)) or real_replace(a, b))
+    writers.write_atomically(tmp_path / "call.txt", "hello\n")
+    assert events == [("fsync", False), ("replace", None), ("fsync", True)]
+    assert (tmp_path / "call.txt").read_text() == "hello\n"
+
+
+def test_a_ctranslate2_folder_is_imported_once_into_the_cache_never_written_into(tmp_path, monkeypatch):
+    """It used to get a hidden `.encdec-hf` copy written into it (and JSON files rewritten in place at
+    every start, while other workers read them)."""
+    import shutil
+
+    from encdec_engine.models import ct2_import
+
+    src = tmp_path / "faster-whisper-tiny.en"
+    shutil.copytree(ct2_import._bundled_model_dir(), src)
+    before = {p.name: p.stat().st_mtime_ns for p in src.iterdir()}
+    imports = []
+    real = ct2_import.import_ct2_whisper
+    monkeypatch.setattr(ct2_import, "import_ct2_whisper", lambda *a, **k: imports.append(a) or real(*a, **k))
+    cache = tmp_path / "cache"
+    first = ct2_import.cached_import(src, cache)
+    assert ct2_import.cached_import(src, cache) == first and len(imports) == 1  # once, keyed by content
+    assert first.parent == cache / "ct2" and (first / "model.safetensors").is_file()
+    assert {p.name: p.stat().st_mtime_ns for p in src.iterdir()} == before  # nothing written into src
+    config = src / "config.json"
+    config.write_text(config.read_text().replace("}", ', "note": 1}', 1))  # new content: a new import
+    second = ct2_import.cached_import(src, cache)
+    assert second != first and len(imports) == 2

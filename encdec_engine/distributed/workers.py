@@ -38,10 +38,10 @@ def resolve_model(model: str | None) -> str:
         raise FileNotFoundError(f"model folder {model} does not exist on {socket.gethostname()}; a batch job's "
                                 "workers load the model from the same path on every node (a shared file system), "
                                 "or leave --model out for the default tiny.en")
-    from encdec_engine.models.ct2_import import import_ct2_whisper, is_ct2_model_dir
+    from encdec_engine.models.ct2_import import cached_import, is_ct2_model_dir
 
     if is_ct2_model_dir(path):
-        return str(import_ct2_whisper(path, path / ".encdec-hf"))
+        return str(cached_import(path))  # into this node's engine cache, never into the shared folder
     return str(path)
 
 

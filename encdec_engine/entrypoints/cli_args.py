@@ -168,17 +168,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def resolve_model(args: argparse.Namespace) -> str:
     """The checkpoint folder `--model` names: a folder as given (a CTranslate2 / faster-whisper one
-    imported into `<folder>/.encdec-hf` once), a Whisper name found offline, or a hub id as given."""
+    imported once into the engine's cache), a Whisper name found offline, or a hub id as given."""
     from pathlib import Path
 
     from encdec_engine.models.model_names import is_short_name, resolve_model_name
 
     model = args.model
     if Path(model).expanduser().is_dir():
-        from encdec_engine.models.ct2_import import import_ct2_whisper, is_ct2_model_dir
+        from encdec_engine.models.ct2_import import cached_import, is_ct2_model_dir
 
         if is_ct2_model_dir(model):
-            return str(import_ct2_whisper(model, Path(model) / ".encdec-hf"))
+            return str(cached_import(model, args.model_dir))
         return model
     if is_short_name(model):
         return str(resolve_model_name(model, args.model_dir))

@@ -79,12 +79,26 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far too
 
 
+def json_int(value: Any) -> Any:
+    """JSON Schema's integer includes 1.0 (a number without a fraction); pydantic's strict int does not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
+def _token_list(value: Any) -> Any:
+    """A list of JSON integers (1.0 included) as a list of ints; anything else as it is."""
+    if isinstance(value, list) and value and all(isinstance(json_int(t), int) and not isinstance(t, bool)
+                                                 for t in value):
+        return [json_int(t) for t in value]
+    return value
+
+
 def _singleton(value: Any, what: str) -> str | dict:
     """A string, a token id list, {"prompt": str} or {"prompt_token_ids": [int]} -> an engine prompt."""
+    value = _token_list(value)
     if isinstance(value, str):
         if not value:
             raise ValueError(f"{what} is an empty string")
@@ -117,6 +131,7 @@ def _one_prompt(value: Any, what: str) -> str | dict:
 def parse_prompts(value: Any) -> list[str | dict]:
     """OpenAI's `prompt` (string, list of strings, token ids, list of token id lists) plus explicit
     `{"encoder_prompt": ..., "decoder_prompt": ...}` objects (alone or in a list) -> engine prompts."""
+    value = _token_list(value)
     if isinstance(value, list) and value and not _is_token_list(value):
         if len(value) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
@@ -156,8 +171,6 @@ class CompletionRequest(BaseModel):
     """`POST /v1/completions`. For an encoder/decoder model the prompt is the encoder prompt. Strict, as
     JSON is typed: "16" is not an integer (the OpenAPI document says which types each field takes)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
     model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt: Annotated[Any, WithJsonSchema(_prompt_json_schema())]
     max_tokens: int | None = Field(16, ge=1)
@@ -174,9 +187,9 @@ class CompletionRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: LogitBias | None = None
-    # OpenAI fields accepted only at their neutral value.
-    echo: bool = False
-    suffix: str | None = None
+    # OpenAI fields accepted only at their neutral value (the schema says so; the 400 names them).
+    echo: bool = Field(False, json_schema_extra=lambda s: _only(s, {"type": "boolean", "const": False}))
+    suffix: str | None = Field(None, json_schema_extra=lambda s: _only(s, {"type": "null"}))
     # vLLM's extra sampling fields.
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -190,14 +203,21 @@ class CompletionRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     bad_words: list[BadWord] | None = Field(None, max_length=MAX_BAD_WORDS)
 
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=lambda s: _nullable_optionals(s))
+
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        """OpenAI's optional fields are nullable: null takes the default (max_tokens: null keeps
-        its meaning, no limit but the model's)."""
+        """OpenAI's optional fields are nullable: null takes the default (the schema says so for each), but
+        max_tokens: null means no limit but the model's. An integer field takes a JSON number without a
+        fraction (1.0), as JSON Schema's integer does."""
         if isinstance(data, dict):
             fields = cls.model_fields
-            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+            data = {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].default is None or k == "max_tokens"}
+            for name in _INTEGER_FIELDS & data.keys():
+                value = data[name]
+                data[name] = [json_int(v) for v in value] if isinstance(value, list) else json_int(value)
         return data
 
     @field_validator("prompt", mode="before")
@@ -230,6 +250,31 @@ class CompletionRequest(BaseModel):
             bad_words=self.bad_words, logprobs=self.logprobs, skip_special_tokens=self.skip_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
+
+
+_INTEGER_FIELDS = frozenset({"max_tokens", "n", "best_of", "seed", "logprobs", "top_k", "min_tokens",
+                             "no_repeat_ngram_size", "stop_token_ids", "truncate_prompt_tokens"})
+
+
+def _only(schema: dict, accepted: dict) -> None:
+    """A field's JSON schema replaced by `accepted` (its title and default kept)."""
+    keep = {k: schema[k] for k in ("title", "default") if k in schema}
+    schema.clear()
+    schema.update(accepted, **keep)
+
+
+def _nullable_optionals(schema: dict) -> None:
+    """Every optional field takes null (as its default): say so where the field's own schema does not."""
+    required = set(schema.get("required", ()))
+    for name, field in schema["properties"].items():
+        if name in required or _allows_null(field):
+            continue
+        keep = {k: field.pop(k) for k in ("title", "default", "description") if k in field}
+        schema["properties"][name] = {"anyOf": [field, {"type": "null"}], **keep}
+
+
+def _allows_null(schema: dict) -> bool:
+    return schema.get("type") == "null" or any(_allows_null(s) for s in schema.get("anyOf", ()))
 
 
 class CompletionLogprobs(BaseModel):

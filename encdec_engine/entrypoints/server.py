@@ -43,8 +43,10 @@ from encdec_engine.entrypoints import protocol as P
 from encdec_engine.entrypoints import server_audio, server_completions
 from encdec_engine.entrypoints.server_errors import APIError, internal_error
 from encdec_engine.entrypoints.server_gate import Gate, ServerLimits
-from encdec_engine.entrypoints.server_openapi import install_openapi
+from encdec_engine.entrypoints.server_openapi import ModelFacts, install_openapi
 from encdec_engine.entrypoints.server_state import ServerState, state_of
+from encdec_engine.models.whisper_languages import LANGUAGES, TO_LANGUAGE_CODE
+from encdec_engine.models.whisper_tokens import WhisperTokens
 
 __all__ = ["ServerLimits", "build_app", "run_server"]
 
@@ -137,9 +139,22 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
     for endpoints in (router, server_completions.router, server_audio.router):
         app.include_router(endpoints)
     _install_error_handlers(app)
-    install_openapi(app, audio=state.is_audio)
+    install_openapi(app, _model_facts(state))
     app.add_middleware(Gate, state=state)
     return app
+
+
+def _model_facts(state: ServerState) -> ModelFacts:
+    engine = state.engine.engine
+    facts = dict(is_audio=state.is_audio, vocab_size=engine.input_processor.vocab_size,
+                 max_decoder_len=engine.max_decoder_len)
+    if state.is_audio:
+        tokens = WhisperTokens.from_configs(engine.hf_config, engine.generation_config)
+        codes = [code for code in LANGUAGES if tokens.is_multilingual and f"<|{code}|>" in tokens.lang_to_id] or ["en"]
+        names = [name for name, code in TO_LANGUAGE_CODE.items() if code in codes]
+        facts.update(languages=tuple(dict.fromkeys(codes + names + [n.title() for n in names])),
+                     window_prompt_len=len(tokens.decoder_prompt(codes[0], "transcribe")))
+    return ModelFacts(**facts)
 
 
 def _log_to_stderr(level: str) -> None:

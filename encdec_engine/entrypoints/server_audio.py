@@ -104,10 +104,20 @@ async def _audio_request(request: Request, task: str) -> Response:
 def _transcriber(engine, options: TranscribeOptions, task: str) -> Transcriber:
     try:
         transcriber = Transcriber(engine, options)
-        transcriber.tokens.decoder_prompt(options.language, task)  # language and task on this checkpoint
+        start = transcriber.tokens.decoder_prompt(options.language, task)  # language and task on this checkpoint
     except ValueError as e:
         raise APIError(400, str(e), "language" if "language" in str(e) else "prompt") from None
+    check_window_tokens(options.max_new_tokens, len(start), engine.max_decoder_len)
     return transcriber
+
+
+def check_window_tokens(max_new_tokens: int | None, prompt_len: int, limit: int) -> None:
+    """The completions rule for the audio endpoints: tokens asked for past the model's positions are a 400
+    (a window whose prompt carries earlier text gets what is left, as in openai-whisper)."""
+    if max_new_tokens is not None and max_new_tokens + prompt_len > limit:
+        raise APIError(400, f"max_completion_tokens {max_new_tokens} plus the window's {prompt_len}-token decoder "
+                            f"prompt is more than the model's limit of {limit} positions; ask for at most "
+                            f"{limit - prompt_len}", "max_completion_tokens")
 
 
 async def _load_job(st: ServerState, transcriber: Transcriber, upload: UploadedAudio, reservation: Reservation):

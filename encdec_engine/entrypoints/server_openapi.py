@@ -10,6 +10,7 @@ streaming), the OpenAI-shaped error bodies with the statuses each operation answ
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -37,19 +38,60 @@ _EVENTS = {"schema": {"type": "object", "required": ["data"],
                                      "id": {"type": "string"}, "retry": {"type": "integer"}}}}
 
 
-def install_openapi(app: FastAPI, audio: bool) -> None:
+# What the schema cannot say (rules between fields, the content of a file, the model's tokenizer): each
+# is a 400 whose message starts as written here. tests/test_fuzz_server.py holds every 400 that a
+# schema-valid request gets to this list.
+SEMANTIC_RULES = {
+    "completions": (
+        "max_tokens N plus the N-token decoder prompt is more than the model's limit",
+        "SamplingParams.min_tokens must be <= max_tokens",
+        "best_of must be",
+        "stream_options needs stream=true",
+        "this request may generate",
+        "prompt N: ", "encoder prompt: ", "decoder prompt: ",  # the prompt as the engine reads it
+        "logit_bias: token id",
+        "SamplingParams.",
+    ),
+    "audio": (
+        "cannot decode the uploaded audio",
+        "the uploaded file",
+        "stream=true sends transcript.text events",
+        "chunking_strategy is not supported with stream=true",
+        "timestamp_granularities need response_format verbose_json",
+        "this checkpoint is English-only",
+        "max_completion_tokens N plus the window's",
+        "audio is",
+        "prompt: ",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the loaded model adds to the schema: token ids below `vocab_size`, at most `max_decoder_len`
+    tokens, the languages a Whisper checkpoint takes."""
+
+    is_audio: bool
+    vocab_size: int
+    max_decoder_len: int
+    languages: tuple[str, ...] = ()  # codes and names (lowercase and capitalized); empty: not Whisper
+    window_prompt_len: int = 0  # the longest decoder prompt of a Whisper window (start, language, task, no timestamps)
+
+
+def install_openapi(app: FastAPI, facts: ModelFacts) -> None:
     """Replace `app.openapi` with the described schema (built once, on first request)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-            app.openapi_schema = describe(schema, audio)
+            app.openapi_schema = describe(schema, facts)
         return app.openapi_schema
 
     app.openapi = openapi
 
 
-def describe(schema: dict[str, Any], audio: bool) -> dict[str, Any]:
+def describe(schema: dict[str, Any], facts: ModelFacts) -> dict[str, Any]:
+    audio = facts.is_audio
     paths = schema["paths"]
     for path in _TEXT_PATHS if audio else _AUDIO_PATHS:
         paths.pop(path, None)
@@ -63,11 +105,14 @@ def describe(schema: dict[str, Any], audio: bool) -> dict[str, Any]:
             for status in _POST_ERRORS if method == "post" else _GET_ERRORS:
                 responses.setdefault(str(status), {"description": _ERRORS[status], "content": error})
     if "/v1/completions" in paths:
-        ok = paths["/v1/completions"]["post"]["responses"]["200"]
-        ok["content"]["text/event-stream"] = _EVENTS  # stream=true: `data: {chunk}` events, then `data: [DONE]`
+        op = paths["/v1/completions"]["post"]
+        op["responses"]["200"]["content"]["text/event-stream"] = _EVENTS  # `data: {chunk}` events, `data: [DONE]`
+        _document_rules(op, "completions")
+        _bound_completions(components["CompletionRequest"], facts)
     for path in _AUDIO_PATHS:
         if path in paths:
-            _describe_audio(paths[path]["post"], transcription=path.endswith("transcriptions"))
+            _describe_audio(paths[path]["post"], path.endswith("transcriptions"), facts)
+            _document_rules(paths[path]["post"], "audio")
     _describe_health_and_metrics(paths)
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
@@ -84,16 +129,45 @@ def _model_schemas(*models) -> dict[str, Any]:
     return out
 
 
-def _describe_audio(op: dict[str, Any], transcription: bool) -> None:
-    """The multipart form the endpoint parses itself: the file plus the fields of its request model."""
+def _document_rules(op: dict[str, Any], kind: str) -> None:
+    rules = "; ".join(f"'{r}...'" for r in SEMANTIC_RULES[kind])
+    op["responses"]["400"]["description"] += f". Beyond the schema, a 400 whose message starts: {rules}"
+
+
+def _bound_completions(request: dict[str, Any], facts: ModelFacts) -> None:
+    """Token ids below the vocabulary's size, max_tokens within the model's positions."""
+    properties = request["properties"]
+    for name in ("prompt", "stop_token_ids"):
+        _bound_integers(properties[name], facts.vocab_size - 1)
+    _bound_integers(properties["max_tokens"], facts.max_decoder_len)
+
+
+def _bound_integers(schema: Any, maximum: int) -> None:
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            schema["maximum"] = min(maximum, schema.get("maximum", maximum))
+        for value in schema.values():
+            _bound_integers(value, maximum)
+    elif isinstance(schema, list):
+        for value in schema:
+            _bound_integers(value, maximum)
+
+
+def _describe_audio(op: dict[str, Any], transcription: bool, facts: ModelFacts) -> None:
+    """The multipart form the endpoint parses itself: the file plus the fields of its request model. A
+    form has no null: an optional field is left out instead."""
     model = P.TranscriptionRequest if transcription else P.TranslationRequest
     fields = model.model_json_schema()
-    properties = {"file": {"type": "string", "format": "binary",
+    properties = {"file": {"type": "string", "format": "binary", "minLength": 1,
                            "description": "the audio: any format ffmpeg or libsndfile reads"}}
     for name, field in fields["properties"].items():
         if name == "timestamp_granularities":  # sent as repeated `timestamp_granularities[]` parts
             name = "timestamp_granularities[]"
-        properties[name] = _inline_defs(field, fields.get("$defs", {}))
+        properties[name] = _without_null(_inline_defs(field, fields.get("$defs", {})))
+    if "language" in properties:
+        properties["language"] = {"type": "string", "enum": list(facts.languages),
+                                  "description": "a language code or name this checkpoint takes"}
+    _bound_integers(properties["max_completion_tokens"], facts.max_decoder_len - facts.window_prompt_len)
     op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": {
         "type": "object", "properties": properties, "required": ["file"], "additionalProperties": False}}}}
     json_schema = {"anyOf": [{"$ref": "#/components/schemas/TranscriptionResponse"},
@@ -102,6 +176,14 @@ def _describe_audio(op: dict[str, Any], transcription: bool) -> None:
         "description": "json / verbose_json: the transcript; text, srt, vtt: the text; stream=true: "
                        "transcript.text.delta events, then transcript.text.done",
         "content": {"application/json": {"schema": json_schema}, "text/plain": _TEXT, "text/event-stream": _EVENTS}}
+
+
+def _without_null(schema: dict[str, Any]) -> dict[str, Any]:
+    options = [s for s in schema.get("anyOf", ()) if s.get("type") != "null"]
+    if not options or len(options) == len(schema["anyOf"]):
+        return schema
+    rest = {k: v for k, v in schema.items() if k not in ("anyOf", "default")}
+    return {**options[0], **rest} if len(options) == 1 else {"anyOf": options, **rest}
 
 
 def _inline_defs(schema: Any, defs: dict[str, Any]) -> Any:

@@ -8,7 +8,9 @@ writes a folder that ``WhisperForConditionalGeneration``, ``WhisperTokenizer``,
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shutil
 import struct
@@ -25,6 +27,7 @@ from encdec_engine.cache import cache_root
 _GELU = 3  # ctranslate2.specs.common_spec.Activation.GELU
 _MARKER = ".encdec-import.json"
 IMPORTER_VERSION = 1  # bump when the written checkpoint changes, to refresh caches
+_SMALL_FILE = 1 << 20  # bytes up to which a file's content, not its modification time, keys an import
 MODEL_NAME = "whisper-tiny.en"
 
 
@@ -272,8 +275,15 @@ def _bundled_model_dir() -> Path:
 
 
 def _fingerprint(src: Path) -> dict:
-    stat = (src / "model.bin").stat()
-    return {"importer": IMPORTER_VERSION, "source": str(src), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    """What the import of `src` depends on: the importer, and the folder's content (each file's name and
+    size, the small files' bytes, the large ones' modification times: hashing a GB of weights at every
+    start would cost a second)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in src.iterdir() if p.is_file() and not p.name.startswith(".")):
+        stat = path.stat()
+        digest.update(f"{path.name}\0{stat.st_size}\0".encode())
+        digest.update(path.read_bytes() if stat.st_size <= _SMALL_FILE else str(stat.st_mtime_ns).encode())
+    return {"importer": IMPORTER_VERSION, "content": digest.hexdigest()}
 
 
 def _is_complete(path: Path, fingerprint: dict) -> bool:
@@ -283,25 +293,23 @@ def _is_complete(path: Path, fingerprint: dict) -> bool:
         return False
 
 
-def default_model_path(root: str | Path | None = None) -> Path:
-    """Path of the HF checkpoint of the bundled tiny.en model, importing it on first use.
-
-    The cache root is ``root`` if given, else ``$ENCDEC_CACHE`` (default ``~/.cache/encdec-engine``);
-    the model lives in its ``whisper-tiny.en`` folder. The import is written to a temporary sibling folder,
-    marked complete, then renamed into place, so a crash never leaves a usable half import.
-    """
-    src = _bundled_model_dir()
-    root = cache_root(root)
-    dst = root / MODEL_NAME
+def _import_once(src: Path, dst: Path) -> Path:
+    """`dst`, holding the import of `src` unless it holds it already (same fingerprint). Written to a
+    temporary sibling folder, synced, marked complete, then renamed into place: a crash or a power loss
+    never leaves a usable half import, and processes importing at once all end with one whole folder."""
     fingerprint = _fingerprint(src)
     if _is_complete(dst, fingerprint):
         return dst
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", dir=root))
-    stale = root / f"{tmp.name}.stale"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    stale = dst.parent / f"{tmp.name}.stale"
     try:
         import_ct2_whisper(src, tmp)
+        for path in tmp.iterdir():
+            _fsync(path)
         (tmp / _MARKER).write_text(json.dumps(fingerprint))
+        _fsync(tmp / _MARKER)
+        _fsync(tmp)
         if dst.exists():  # an outdated or incomplete import: move it aside first
             dst.rename(stale)
         try:
@@ -310,7 +318,35 @@ def default_model_path(root: str | Path | None = None) -> Path:
             # Another process published its import between our checks; use that one.
             if not _is_complete(dst, fingerprint):
                 raise
+        _fsync(dst.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(stale, ignore_errors=True)
     return dst
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def default_model_path(root: str | Path | None = None) -> Path:
+    """Path of the HF checkpoint of the bundled tiny.en model, importing it on first use.
+
+    The cache root is ``root`` if given, else ``$ENCDEC_CACHE`` (default ``~/.cache/encdec-engine``);
+    the model lives in its ``whisper-tiny.en`` folder, imported again when the importer or the package
+    changes.
+    """
+    return _import_once(_bundled_model_dir(), cache_root(root) / MODEL_NAME)
+
+
+def cached_import(src: str | Path, root: str | Path | None = None) -> Path:
+    """The HF checkpoint of the CTranslate2 (faster-whisper) folder `src`, imported once into the engine's
+    cache (``<root>/ct2/<folder name>-<content key>``) and again only when the folder's content changes.
+    Nothing is ever written into `src`: it may be read-only, or read by other processes meanwhile."""
+    src = Path(src).expanduser().resolve()
+    key = _fingerprint(src)["content"][:16]
+    return _import_once(src, cache_root(root) / "ct2" / f"{src.name}-{key}")
