@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from encdec_engine.outputs import RequestOutput
-from encdec_engine.sampling_params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_SEED,
+from encdec_engine.sampling_params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
                                            MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                            SamplingParams)
 from encdec_engine.speech.audio import FRAMES_PER_SECOND
@@ -31,6 +31,8 @@ MAX_PROMPT_TOKEN_IDS = 1 << 18  # one token id prompt (truncate_prompt_tokens ma
 MAX_NAME_CHARS = 256  # model, user
 MAX_AUDIO_PROMPT_CHARS = 8192  # a transcription's prompt (Whisper keeps its last 223 tokens)
 MAX_LANGUAGE_CHARS = 32
+# Seeds a JSON number carries exactly, as an integer or as a float (2^53 - 1); SamplingParams takes up to 2^64 - 1.
+MAX_JSON_SEED = 2**53 - 1
 
 
 # -- errors -----------------------------------------------------------------
@@ -179,7 +181,7 @@ class CompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: int | None = Field(None, ge=0, lt=MAX_SEED + 1)
+    seed: int | None = Field(None, ge=0, le=MAX_JSON_SEED)
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's limit for completions
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -374,7 +376,8 @@ class ServerVadChunking(BaseModel):
 
     type: Literal["server_vad"]
     threshold: float = Field(0.5, ge=0.0, le=1.0)  # speech probability at or above which a frame is speech
-    prefix_padding_ms: int = Field(300, ge=0)  # audio kept before (and after) the speech heard
+    # audio kept before (and after) the speech heard; a 30 s chunk must hold it twice and a 32 ms frame
+    prefix_padding_ms: int = Field(300, ge=0, le=14_983)
     silence_duration_ms: int = Field(500, ge=0)  # silence this long ends speech
 
     @property

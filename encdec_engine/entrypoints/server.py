@@ -147,7 +147,7 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
 def _model_facts(state: ServerState) -> ModelFacts:
     engine = state.engine.engine
     facts = dict(is_audio=state.is_audio, vocab_size=engine.input_processor.vocab_size,
-                 max_decoder_len=engine.max_decoder_len)
+                 max_decoder_len=engine.max_decoder_len, max_prompts=min(P.MAX_PROMPTS, state.limits.max_queue))
     if state.is_audio:
         tokens = WhisperTokens.from_configs(engine.hf_config, engine.generation_config)
         codes = [code for code in LANGUAGES if tokens.is_multilingual and f"<|{code}|>" in tokens.lang_to_id] or ["en"]

@@ -74,6 +74,7 @@ class ModelFacts:
     is_audio: bool
     vocab_size: int
     max_decoder_len: int
+    max_prompts: int = P.MAX_PROMPTS  # prompts in one request (the admission queue's size, at most)
     languages: tuple[str, ...] = ()  # codes and names (lowercase and capitalized); empty: not Whisper
     window_prompt_len: int = 0  # the longest decoder prompt of a Whisper window (start, language, task, no timestamps)
 
@@ -137,6 +138,9 @@ def _document_rules(op: dict[str, Any], kind: str) -> None:
 def _bound_completions(request: dict[str, Any], facts: ModelFacts) -> None:
     """Token ids below the vocabulary's size, max_tokens within the model's positions."""
     properties = request["properties"]
+    for alternative in properties["prompt"]["anyOf"]:  # a list of prompts: no more than the queue takes
+        if alternative.get("type") == "array" and "maxItems" in alternative:
+            alternative["maxItems"] = min(alternative["maxItems"], facts.max_prompts)
     for name in ("prompt", "stop_token_ids"):
         _bound_integers(properties[name], facts.vocab_size - 1)
     _bound_integers(properties["max_tokens"], facts.max_decoder_len)
