@@ -326,3 +326,34 @@ def test_a_ctranslate2_folder_is_imported_once_into_the_cache_never_written_into
     config.write_text(config.read_text().replace("}", ', "note": 1}', 1))  # new content: a new import
     second = ct2_import.cached_import(src, cache)
     assert second != first and len(imports) == 2
+
+
+def test_per_input_limits_refuse_before_decoding(tmp_path, make_llm, monkeypatch):
+    """A worker used to take a 10-hour recording or a multi-GB "document" whole. Now an input over the
+    limit is its own error, found from the header (audio) or the file size (text) before decoding."""
+    import subprocess
+
+    from encdec_engine.entrypoints.cli import main
+    from encdec_engine.speech import audio
+
+    long_m4a, long_wav = tmp_path / "two-minutes.m4a", tmp_path / "two-minutes.wav"
+    for path in (long_m4a, long_wav):
+        subprocess.run(["ffmpeg", "-v", "error", "-f", "lavfi", "-i", "sine=frequency=300:duration=120", "-ar", "16000",
+                        "-ac", "1", str(path)], check=True)
+    decoded = []
+    real = ffmpeg.decode
+    monkeypatch.setattr(ffmpeg, "decode", lambda *a, **k: decoded.append(a[1]) or real(*a, **k))
+    llm = make_llm(default_model_path(), kv_cache_space_gb=0.1)
+    results = llm.transcribe([str(long_m4a), str(long_wav), str(AUDIO / "fox.wav")], max_audio_seconds=60)
+    assert [r.error for r in results[:2]] == [f"audio is 120.0 s long; the limit is 60 s: {p}" for p in (long_m4a, long_wav)]
+    assert results[2].error is None and "fox" in results[2].text.lower() and decoded == []
+    with pytest.raises(audio.AudioTooLong):
+        audio.audio_samples((audio.load_audio(long_wav), 16000), max_seconds=60)
+
+    big = tmp_path / "big.txt"
+    big.write_text("word " * 1000)
+    with pytest.raises(ValueError, match=r"big.txt is 5000 bytes, more than the limit of 4096 bytes"):
+        from encdec_engine.inputs.documents import read_document
+
+        read_document(big, 4096)
+    assert main(["summarize", str(big), "--model", "unused", "--max-document-bytes", "4096"]) == 2

@@ -24,11 +24,12 @@ import pytest
 from helpers import mixed_prompts
 
 from encdec_engine import SamplingParams, distributed
-from encdec_engine.distributed import jobs
+from encdec_engine.distributed import jobs, workers
+from encdec_engine.distributed.inputs import audio_inputs
 from encdec_engine.distributed.results import read_rows
 from encdec_engine.entrypoints.cli import main
 from encdec_engine.entrypoints.server_gate import ServerLimits
-from encdec_engine.entrypoints.writers import OUTPUT_FORMATS, write_transcription
+from encdec_engine.entrypoints.writers import write_transcription
 from encdec_engine.models.ct2_import import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -294,3 +295,40 @@ def metrics_text(url: str, want_replicas: int) -> str:
         if text.count("encdec_replica_info{") >= want_replicas or time.monotonic() > deadline:
             return text
         time.sleep(0.5)
+
+
+class PoisonedTranscribeWorker(workers.TranscribeWorker):
+    """Dies (as an OOM kill or a native crash would) whenever its batch holds poison.wav."""
+
+    def run(self, ids, payloads):
+        if any(Path(p["audio"]).name == "poison.wav" for p in payloads):
+            os._exit(1)
+        return super().run(ids, payloads)
+
+
+def test_an_input_that_kills_its_worker_gets_an_error_row_and_the_rest_are_written(ray_cluster, make_llm,
+                                                                                     tmp_path, caplog):
+    """The issue's case: Ray Data's unlimited restarts and retries gave 34 worker deaths in 200 s and an empty
+    results file. Now the dead worker's batch is split until the poisoned input stands alone; after
+    MAX_ATTEMPTS deaths alone it gets one error row, and every other input of the job is written."""
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+    poison = tmp_path / "poison.wav"
+    poison.write_bytes((AUDIO / "fox.wav").read_bytes())
+    paths = [str(AUDIO / c) for c in CLIPS[:3]] + [str(poison)] + [str(AUDIO / c) for c in CLIPS[3:]]
+    out = tmp_path / "out"
+    inputs = audio_inputs(paths)
+    job = jobs.Job("transcribe", inputs, None, SMALL_KV, {"max_audio_seconds": 60.0}, batch_size=4,
+                   worker=PoisonedTranscribeWorker)
+    with caplog.at_level("WARNING", logger="encdec_engine.distributed.jobs"):
+        rows = list(jobs.run(job, jobs.ClusterOptions(num_workers=2), jobs.Outputs(str(out / "results.jsonl"),
+                                                                                  progress=False)))
+    assert sorted(r["id"] for r in rows) == sorted(paths)
+    bad = [r for r in rows if r["error"] is not None]
+    assert [r["id"] for r in bad] == [str(poison)] and "died 2 times" in bad[0]["error"]
+    deaths = [r for r in caplog.records if "worker died" in r.getMessage() or "took down" in r.getMessage()]
+    assert len(deaths) == 4, [r.getMessage() for r in deaths]  # batches of 4, 2, 1, 1: log2(4) + MAX_ATTEMPTS
+    expected = {t.source: t.text for t in make_llm(default_model_path(), **SMALL_KV).transcribe(paths[:3] + paths[4:])}
+    assert {r["id"]: r["text"] for r in rows if r["error"] is None} == expected
+    assert Counter(r["id"] for r in read_rows(out / "results.jsonl")) == Counter(paths)

@@ -1,8 +1,8 @@
-"""Scale out on Ray: batch jobs over a cluster (Ray Data) and replicated serving (Ray Serve).
+"""Scale out on Ray: batch jobs over a cluster (Ray actors) and replicated serving (Ray Serve).
 
     api.py             transcribe / summarize / generate: a batch job from Python
     inputs.py          paths, folders, globs and manifests -> the job's inputs
-    jobs.py            the job on Ray Data: an actor pool of engines, rows streamed back, progress
+    jobs.py            the job: a pool of engine actors, batches split and retried when a worker dies
     workers.py         the actors: one LLM each, a whole batch per engine call
     results.py         the results JSONL: one row per input, resume
     cluster.py         joining a Ray cluster or starting a local one

@@ -17,6 +17,11 @@ from encdec_engine.distributed.cluster import ClusterOptions
 from encdec_engine.distributed.inputs import audio_inputs, prompt_inputs, text_inputs
 from encdec_engine.distributed.jobs import Job, Outputs, run
 from encdec_engine.distributed.results import Row
+from encdec_engine.inputs.documents import MAX_DOCUMENT_BYTES
+
+# A worker holds about 350 MB per hour of audio it transcribes; longer inputs are refused (an error row,
+# from the header before decoding) unless max_audio_seconds says otherwise (None: no limit).
+MAX_AUDIO_SECONDS = 4 * 3600.0
 
 
 def transcribe(audio: str | Iterable[str] = (), model: str | None = None, *, manifest: str | Path | None = None,
@@ -30,10 +35,12 @@ def transcribe(audio: str | Iterable[str] = (), model: str | None = None, *, man
     `output_dir` / `output_format` write the files `encdec transcribe` writes (`output_format` "all" when
     only a folder is given), each atomically; `results` (default: `output_dir`/results.jsonl when files
     are written) is the JSONL of rows; `resume` skips inputs whose row and files are complete.
-    `options` are TranscribeOptions fields, checked before the cluster starts."""
+    `options` are TranscribeOptions fields, checked before the cluster starts; `max_audio_seconds`
+    defaults to `MAX_AUDIO_SECONDS` here."""
     from encdec_engine.entrypoints.writers import OUTPUT_FORMATS, write_transcription
     from encdec_engine.speech.options import TranscribeOptions
 
+    options.setdefault("max_audio_seconds", MAX_AUDIO_SECONDS)
     TranscribeOptions(language=language, task=task, **options)  # bad values fail before any work
     inputs = audio_inputs([audio] if isinstance(audio, str) else audio, manifest)
     fmt = output_format or ("all" if output_dir is not None else None)
@@ -66,13 +73,15 @@ def summarize(files: str | Iterable[str] = (), model: str | None = None, *, mani
               results: str | Path | None = None, resume: bool = False, batch_size: int = 16,
               address: str | None = None, num_workers: int | None = None, threads_per_worker: int = 1,
               engine: dict[str, Any] | None = None, progress: bool = True, stream: bool = False,
-              **overrides) -> list[Row] | Iterator[Row]:
+              max_document_bytes: int | None = MAX_DOCUMENT_BYTES, **overrides) -> list[Row] | Iterator[Row]:
     """Summarize text files (or a manifest's inline texts) as `LLM.summarize` does; rows have path, text
-    (the summary) and error. `overrides` replace SamplingParams fields of the checkpoint's config."""
+    (the summary) and error. `overrides` replace SamplingParams fields of the checkpoint's config; a
+    document over `max_document_bytes` is an error row, refused before it is read."""
     if model is None:
         raise ValueError("summarize needs a model (a BART checkpoint folder)")
     inputs = text_inputs([files] if isinstance(files, str) else files, manifest)
-    job = Job("summarize", inputs, _local_model(model, address), engine or {}, overrides, batch_size)
+    job = Job("summarize", inputs, _local_model(model, address), engine or {}, overrides, batch_size,
+              limits={"max_document_bytes": max_document_bytes})
     return _finish(job, _cluster(address, num_workers, threads_per_worker),
                    Outputs(_str(results), resume, progress=progress), stream)
 

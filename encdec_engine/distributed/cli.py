@@ -115,7 +115,7 @@ def _transcribe(args: argparse.Namespace) -> int:
     import dataclasses
 
     from encdec_engine import distributed
-    from encdec_engine.distributed.api import transcription_from_row
+    from encdec_engine.distributed.api import MAX_AUDIO_SECONDS, transcription_from_row
     from encdec_engine.entrypoints.transcribe_args import subtitle_options, temperatures, transcribe_options
     from encdec_engine.entrypoints.writers import render
 
@@ -123,6 +123,8 @@ def _transcribe(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     options = dataclasses.asdict(transcribe_options(args, temperatures(args)))
     language, task = options.pop("language"), options.pop("task")
+    if options["max_audio_seconds"] is None:  # not given: what one worker may hold
+        options["max_audio_seconds"] = MAX_AUDIO_SECONDS
     writes = bool(args.output_dir or args.output_format)
     rows = distributed.transcribe(args.audio, _model(args), manifest=args.manifest, output_dir=args.output_dir,
                                   output_format=args.output_format, subtitles=subtitle_options(args),
@@ -143,7 +145,7 @@ def _summarize(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("max_tokens", args.max_tokens), ("min_tokens", args.min_tokens)) if v is not None}
     rows = distributed.summarize(args.files, _model(args), manifest=args.manifest,
                                  batch_size=args.job_batch_size or 16, engine=_engine(args),
-                                 progress=not args.quiet, stream=True,
+                                 progress=not args.quiet, stream=True, max_document_bytes=args.max_document_bytes,
                                  **_cluster_kwargs(args), **overrides)
     return _report(rows, lambda row: row["error"] is None and print(f"== {row['path'] or row['id']}\n{row['text']}"))
 

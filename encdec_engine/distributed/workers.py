@@ -1,11 +1,10 @@
-"""The workers of a batch job: callable classes that Ray Data's actor pool instantiates once per actor
-(one `LLM`, the model loaded once) and calls on each batch of rows.
+"""The workers of a batch job: classes that the driver runs as Ray actors (one `LLM` each, the model
+loaded once) and calls on one batch of inputs at a time.
 
-A batch arrives as columns `id` and `input` (the JSON of each `JobInput.payload`) and goes through the
-engine in one call (`LLM.transcribe` / `summarize` / `generate` over the whole batch, so its inputs
-share continuous batching); it leaves as columns `id` and `row` (the JSON of each result row). A bad
-input is an error row; only a worker that dies (its batch is retried elsewhere) or a broken engine
-fails a batch.
+A batch arrives as the ids and payloads (JSON) of its inputs and goes through the engine in one call
+(`LLM.transcribe` / `summarize` / `generate` over the whole batch, so its inputs share continuous
+batching); it leaves as one result row (JSON) per input. A bad input is an error row; only a worker
+that dies (the driver splits and retries its batch) or a broken engine fails a batch.
 """
 
 from __future__ import annotations
@@ -16,14 +15,12 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from encdec_engine.entrypoints.writers import segment_to_dict
+from encdec_engine.inputs.documents import MAX_DOCUMENT_BYTES, read_document
 from encdec_engine.llm import LLM
 from encdec_engine.sampling_params import SamplingParams
-
-Batch = dict[str, np.ndarray]
 
 
 def resolve_model(model: str | None) -> str:
@@ -49,20 +46,27 @@ class _Worker:
     """One engine per actor; subclasses turn a batch's payloads into result rows."""
 
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any], threads: int,
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], limits: dict[str, Any] | None = None) -> None:
         torch.set_num_threads(threads)
         self.llm = LLM(model=resolve_model(model), **engine_kwargs)
-        self.options = options
+        self.options, self.limits = options, limits or {}
         self.worker = {"node": socket.gethostname(), "pid": os.getpid()}
 
-    def __call__(self, batch: Batch) -> Batch:
-        ids = [str(i) for i in batch["id"]]
-        rows = self.run(ids, [json.loads(s) for s in batch["input"]])
-        return {"id": np.array(ids, dtype=object),
-                "row": np.array([json.dumps({"id": i, **row, "worker": self.worker}) for i, row in zip(ids, rows)],
-                                dtype=object)}
+    def process(self, ids: list[str], inputs: list[str]) -> list[str]:
+        """The rows (JSON) of a batch of inputs (their payloads' JSON)."""
+        rows = self.run(ids, [json.loads(s) for s in inputs])
+        return [json.dumps({"id": i, **row, "worker": self.worker}) for i, row in zip(ids, rows)]
+
+    def ready(self) -> int:
+        """Answers once the actor (and its model) is up: its process id."""
+        return os.getpid()
 
     def run(self, ids: list[str], payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    @staticmethod
+    def error_row(input_id: str, payload: dict[str, Any], error: str) -> dict[str, Any]:
+        """The row of an input that got no result from any worker (every one that took it died)."""
         raise NotImplementedError
 
 
@@ -76,26 +80,33 @@ class TranscribeWorker(_Worker):
                  "segments": [segment_to_dict(s) for s in t.segments], "error": t.error}
                 for path, t in zip(paths, results)]
 
+    @staticmethod
+    def error_row(input_id: str, payload: dict[str, Any], error: str) -> dict[str, Any]:
+        return {"id": input_id, "path": payload["audio"], "text": None, "language": None, "duration": None,
+                "segments": [], "error": error}
+
 
 class SummarizeWorker(_Worker):
     """Rows: path (None for inline text), text (the summary), error."""
 
     def run(self, ids: list[str], payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows, texts = [], {}
+        limit = self.limits.get("max_document_bytes", MAX_DOCUMENT_BYTES)
         for i, p in enumerate(payloads):
             rows.append({"path": p.get("path"), "text": None, "error": None})
             try:
-                text = p["text"] if "text" in p else Path(p["path"]).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                rows[i]["error"] = f"{p['path']}: {e.strerror if isinstance(e, OSError) else e}"
-                continue
-            if not text.strip():
-                rows[i]["error"] = f"{p.get('path', 'text')} is empty"
+                text = _inline_text(p["text"], limit) if "text" in p else read_document(p["path"], limit)
+            except (OSError, ValueError) as e:
+                rows[i]["error"] = f"{p['path']}: {e.strerror}" if isinstance(e, OSError) else str(e)
                 continue
             texts[i] = text
         for i, summary in zip(texts, self._summaries(list(texts.values()))):
             rows[i]["text"], rows[i]["error"] = summary
         return rows
+
+    @staticmethod
+    def error_row(input_id: str, payload: dict[str, Any], error: str) -> dict[str, Any]:
+        return {"id": input_id, "path": payload.get("path"), "text": None, "error": error}
 
     def _summaries(self, texts: list[str]) -> list[tuple[str | None, str | None]]:
         """(summary, error) per text; the batch runs at once, and only when some text failed in it are
@@ -135,3 +146,18 @@ class GenerateWorker(_Worker):
             rows[i] = {"request_id": ids[i], "text": c.text, "token_ids": list(c.token_ids),
                        "finish_reason": c.finish_reason, "error": out.error}
         return rows
+
+    @staticmethod
+    def error_row(input_id: str, payload: dict[str, Any], error: str) -> dict[str, Any]:
+        return {"id": input_id, "request_id": input_id, "text": None, "token_ids": [], "finish_reason": "error",
+                "error": error}
+
+
+def _inline_text(text: str, max_bytes: int | None) -> str:
+    size = len(text.encode("utf-8"))
+    if max_bytes is not None and size > max_bytes:
+        raise ValueError(f"the text is {size} bytes, more than the limit of {max_bytes} bytes per document "
+                         "(--max-document-bytes)")
+    if not text.strip():
+        raise ValueError("the text is empty")
+    return text

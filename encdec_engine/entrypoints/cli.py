@@ -14,7 +14,6 @@ import logging
 import os
 import sys
 from contextlib import nullcontext
-from pathlib import Path
 from typing import NoReturn
 
 from encdec_engine import __version__
@@ -23,6 +22,7 @@ from encdec_engine.entrypoints.cli_args import (HelpFormatter, add_engine_args, 
 from encdec_engine.entrypoints.cli_transcribe import add_transcribe_parser
 from encdec_engine.distributed.cli import add_ray_args, ray_command, split_ray_address
 from encdec_engine.distributed.cluster import RayNotInstalled
+from encdec_engine.inputs.documents import MAX_DOCUMENT_BYTES, read_document
 from encdec_engine.models.model_names import DEFAULT_MODEL
 
 
@@ -57,11 +57,11 @@ def cmd_generate(args) -> int:
 def cmd_summarize(args) -> int:
     texts = []
     for name in args.files:
-        path = Path(name)
-        if not path.is_file():
-            error(f"{path}: no such file")
+        try:
+            texts.append(read_document(name, args.max_document_bytes))
+        except ValueError as e:
+            error(str(e))
             return 2
-        texts.append(path.read_text())
     overrides = {k: v for k, v in (("max_tokens", args.max_tokens), ("min_tokens", args.min_tokens)) if v is not None}
     summaries = _llm(args).summarize(texts, use_tqdm=not args.quiet, **overrides)
     for name, summary in zip(args.files, summaries):
@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="summary tokens at most (default: the checkpoint's generation config)")
     summ.add_argument("--min-tokens", type=int, default=None,
                       help="summary tokens at least (default: the checkpoint's generation config)")
+    summ.add_argument("--max-document-bytes", type=int, default=MAX_DOCUMENT_BYTES,
+                      help="a file larger than this is refused before it is read")
     summ.add_argument("--quiet", action="store_true", help="no progress bar")
     summ.set_defaults(func=cmd_summarize)
 

@@ -88,6 +88,9 @@ def add_transcribe_args(tr: argparse.ArgumentParser) -> None:
     dec.add_argument("--clip-timestamps", default="",
                      help="seconds start,end[,start,end...] of the parts to transcribe; an odd count runs to the "
                           "end (default: the whole file)")
+    dec.add_argument("--max-audio-seconds", type=float, default=None,
+                     help="refuse a file longer than this, from its header before decoding (on Ray: default "
+                          "4 hours, what one worker holds)")
     dec.add_argument("--chunked", action="store_true",
                      help="cut audio over 30 s at quiet points and decode the windows at once (faster; no window "
                           "sees an earlier one's text)")
@@ -161,7 +164,8 @@ def transcribe_options(args: argparse.Namespace, temps: tuple[float, ...]) -> Tr
         hallucination_silence_threshold=args.hallucination_silence_threshold, chunked=args.chunked,
         prefix=args.prefix, hotwords=args.hotwords, prompt_reset_on_temperature=args.prompt_reset_on_temperature,
         max_new_tokens=args.max_new_tokens, repetition_penalty=args.repetition_penalty,
-        no_repeat_ngram_size=args.no_repeat_ngram_size, **vad_options(args))
+        no_repeat_ngram_size=args.no_repeat_ngram_size, max_audio_seconds=args.max_audio_seconds,
+        **vad_options(args))
 
 
 # --vad-* flag -> faster-whisper's vad_parameters name (speech/vad.py VadOptions)

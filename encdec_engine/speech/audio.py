@@ -99,6 +99,8 @@ def _decode_soundfile(source: AudioSource, max_seconds: float | None) -> tuple[n
     import soundfile
 
     with soundfile.SoundFile(source) as f:
+        if max_seconds is not None and f.samplerate > 0 and f.frames / f.samplerate > max_seconds:
+            raise AudioTooLong(f.frames / f.samplerate, max_seconds, _describe(source))  # from the header
         # One frame past the limit tells "too long" without decoding the rest (headers can lie).
         frames = -1 if max_seconds is None else int(max_seconds * f.samplerate) + 1
         # always_2d gives one layout for every file: [num_samples, channels].
@@ -142,6 +144,8 @@ def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE, max_seconds: fl
             raise AudioError(f"audio file is empty (0 bytes): {name}")
     try:
         data, rate = _decode_soundfile(path_or_file, max_seconds)
+    except AudioTooLong as e:
+        raise AudioTooLong(e.seconds, e.limit, name) from None
     except Exception as sf_error:  # libsndfile raises several types for bad input
         suffix = Path(name).suffix.lower()
         if not is_path:
@@ -149,7 +153,10 @@ def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE, max_seconds: fl
         if suffix not in AUDIO_EXTENSIONS:
             raise AudioError(f"unsupported audio format {suffix or '(no extension)'!r}: {name}") from sf_error
         try:
-            data, rate = ffmpeg.decode(str(path_or_file), name, max_seconds)
+            info = ffmpeg.probe(str(path_or_file), name)
+            if max_seconds is not None and info.seconds is not None and info.seconds > max_seconds:
+                raise AudioTooLong(info.seconds, max_seconds, name)  # from the container, before decoding
+            data, rate = ffmpeg.decode(str(path_or_file), name, max_seconds, info)
         except ffmpeg.FormatError as e:
             raise AudioError(str(e)) from None
         except FileNotFoundError as e:  # no ffmpeg
@@ -164,10 +171,11 @@ def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE, max_seconds: fl
         raise AudioError(f"{e}: {name}") from None
 
 
-def audio_samples(audio) -> np.ndarray:
+def audio_samples(audio, max_seconds: float | None = None) -> np.ndarray:
     """Any audio input as float32 mono 16 kHz ``[num_samples]``: a ``(samples, sample_rate)``
     pair, an array already at 16 kHz, or a file path / binary file object.
-    Raises ``AudioError`` (a ValueError) naming the problem, including no samples."""
+    Raises ``AudioError`` (a ValueError) naming the problem, including no samples, and ``AudioTooLong``
+    past ``max_seconds`` (a file's from its header where it tells, before decoding)."""
     if hasattr(audio, "detach"):  # a torch tensor
         audio = audio.detach().cpu().numpy()
     if isinstance(audio, (tuple, list)) and len(audio) == 2:
@@ -175,14 +183,16 @@ def audio_samples(audio) -> np.ndarray:
     elif isinstance(audio, np.ndarray):
         samples = to_mono_16k(audio, SAMPLE_RATE)
     elif isinstance(audio, (bytes, bytearray)):
-        return load_audio_bytes(bytes(audio))
+        return load_audio_bytes(bytes(audio), max_seconds=max_seconds)
     elif isinstance(audio, (str, os.PathLike)) or hasattr(audio, "read"):
-        return load_audio(audio)  # names the file in its errors, empty files included
+        return load_audio(audio, max_seconds=max_seconds)  # names the file in its errors, empty files included
     else:
         raise AudioError(f"unsupported audio input of type {type(audio).__name__}: pass a path, file bytes, "
                          "a 1-D float array at 16 kHz or a (samples, sample_rate) pair")
     if samples.size == 0:
         raise AudioError("audio has no samples")
+    if max_seconds is not None and len(samples) > max_seconds * SAMPLE_RATE:
+        raise AudioTooLong(len(samples) / SAMPLE_RATE, max_seconds, "the array")
     return samples
 
 

@@ -108,11 +108,12 @@ def probe(path: str, name: str) -> StreamInfo:
     return StreamInfo(demuxer, seconds, int(rate) if rate else None, int(channels) if channels else None)
 
 
-def decode(path: str, name: str, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
+def decode(path: str, name: str, max_seconds: float | None = None,
+           info: StreamInfo | None = None) -> tuple[np.ndarray, int]:
     """The first audio stream as int16 PCM ``[num_samples, channels]`` at its own rate, as ffmpeg's
     decoder gives it, and that rate (at most `max_seconds` + 0.1 s: decoding stops there). FormatError
-    when `sniff` refuses the file or ffmpeg cannot decode it."""
-    info = probe(path, name)
+    when `sniff` refuses the file or ffmpeg cannot decode it. `info`: the file's `probe`, if made."""
+    info = info or probe(path, name)
     if not info.sample_rate or not info.channels:
         raise FormatError(f"{name}: its audio stream states no sample rate or channel count")
     limit = [] if max_seconds is None else ["-t", f"{max_seconds + 0.1:.3f}"]

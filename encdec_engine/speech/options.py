@@ -65,6 +65,9 @@ class TranscribeOptions:
     # VadOptions or a dict of its fields (faster-whisper's names). None: its defaults, or with chunked those
     # of faster-whisper's batched pipeline (speech of at most 30 s, 160 ms of silence ends it).
     vad_parameters: VadOptions | dict | None = None
+    # An input longer than this many seconds is refused (its error set) before it is decoded, from its
+    # header where the file has one (decoding stops at the limit where the header lies or says nothing).
+    max_audio_seconds: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "best_of"):
@@ -120,6 +123,9 @@ class TranscribeOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
+        if self.max_audio_seconds is not None and not (
+                _is_number(self.max_audio_seconds) and math.isfinite(self.max_audio_seconds) and self.max_audio_seconds > 0):
+            raise ValueError(f"max_audio_seconds must be a positive number of seconds, got {self.max_audio_seconds!r}")
         if self.no_repeat_ngram_size is None:
             raise ValueError("no_repeat_ngram_size must be an integer of at least 0, got None")
         for name in ("prefix", "hotwords"):

@@ -60,12 +60,11 @@ class WindowPlanner:
             self._plan(job)
         return jobs
 
-    @staticmethod
-    def _read(index: int, item, language: str | None) -> TranscriptionJob:
+    def _read(self, index: int, item, language: str | None) -> TranscriptionJob:
         source = str(item) if isinstance(item, (str, Path)) else None
         job = TranscriptionJob(index, source, language=language)
         try:
-            job.samples = audio_samples(item)
+            job.samples = audio_samples(item, self.options.max_audio_seconds)
         except ValueError as e:  # AudioError included
             job.error = str(e)
         return job
