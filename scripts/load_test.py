@@ -15,14 +15,24 @@ with a 4xx or cleanly dropped, never a 5xx. --compare runs the good requests alo
 with the hostile share, and exits 1 unless the good ones had no error in both runs and their p99
 latency with the hostile share is within 1.5x of the p99 without.
 
+Two attacks as scenarios of their own, each run beside the good load and measured:
+--slow-clients N opens N uploads that send their headers and 5 bytes, then stall (the good load runs
+meanwhile: every good upload must succeed, each stalled one must get 408, and the audio memory they
+hold is read from /metrics); --amplification sends the one small completion request that used to
+make the server build a 50 MB answer (256 prompts x n=16 x the model's length, 20 logprobs): it must
+be refused, and the largest request the budget admits is sent and measured (request and response
+bytes, the server's resident memory before and after).
+
     python scripts/load_test.py --requests 48 --concurrency 8
     python scripts/load_test.py --requests 48 --concurrency 8 --hostile-share 0.25 --compare
+    python scripts/load_test.py --requests 24 --concurrency 4 --slow-clients 16 --amplification
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import re
@@ -201,6 +211,94 @@ class Hostile:
         return "left"
 
 
+async def stalled_uploads(whisper_url: str, api_key: str, count: int, seconds: float) -> list[str]:
+    """`count` uploads that send their headers and 5 bytes, then wait up to `seconds` for an answer:
+    the status line each got ("HTTP/1.1 408 ...") or "no answer"."""
+    url = urlparse(whisper_url)
+
+    async def one() -> str:
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        head = (f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Length: 5000000\r\n"
+                f"Authorization: Bearer {api_key}\r\nContent-Type: multipart/form-data; boundary=cut\r\n\r\n--cut\r\n")
+        writer.write(head.encode())
+        await writer.drain()
+        try:
+            line = await asyncio.wait_for(reader.readline(), seconds)
+            return line.decode().strip() or "closed"
+        except asyncio.TimeoutError:
+            return "no answer"
+        finally:
+            writer.close()
+
+    return await asyncio.gather(*(one() for _ in range(count)))
+
+
+def slow_clients(whisper_url: str, api_key: str, count: int, client_load) -> int:
+    """The good load with `count` stalled uploads open beside it; returns the number of failures."""
+    async def both():
+        stalled = asyncio.ensure_future(stalled_uploads(whisper_url, api_key, count, 120.0))
+        await asyncio.sleep(1.0)
+        held = read_metrics(whisper_url, api_key).get('encdec_audio_memory_bytes{kind="used"}', 0)
+        start = time.monotonic()
+        results = await client_load()
+        return await stalled, results, held, time.monotonic() - start
+
+    answers, results, held, wall = asyncio.run(both())
+    good = [r for r in results if r[0].startswith("transcription")]
+    failed = [r for r in good if r[2] is not None]
+    codes = {a: answers.count(a) for a in sorted(set(answers))}
+    print(f"\n== {count} stalled uploads (headers and 5 bytes each)")
+    print(f"audio memory they held 1 s in: {held:.0f} bytes (an earlier main reserved each Content-Length, "
+          f"{count} x 5 MB)")
+    print(f"good transcriptions beside them: {len(good) - len(failed)} of {len(good)} answered "
+          f"(p99 {percentile([r[1] for r in good if r[2] is None] or [0.0], 99):.2f} s) in {wall:.1f} s")
+    print(f"the stalled uploads got: {codes}")
+    return len(failed) + sum(n for a, n in codes.items() if " 408 " not in f"{a} ")
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def amplification(bart_url: str, api_key: str, pid: int | None) -> int:
+    """The small request that asked for gigabytes must be refused; the largest admitted one is measured."""
+    auth = {"Authorization": f"Bearer {api_key}"}
+    limits = httpx.get(f"{bart_url}/v1/models", headers=auth, timeout=30).json()["data"][0]
+    model_len = limits["max_model_len"]
+    attack = {"model": "bart", "prompt": ["x"] * 256, "n": 16, "max_tokens": model_len, "logprobs": 20,
+              "temperature": 1.0, "ignore_eos": True}
+    failures = 0
+    print("\n== amplification")
+    for body in (attack, {**attack, "logprobs": 5}):
+        request = json.dumps(body).encode()
+        r = httpx.post(f"{bart_url}/v1/completions", content=request, headers={**auth, "Content-Type": "application/json"},
+                       timeout=600)
+        print(f"{len(request)} B request (256 prompts x n=16 x max_tokens {model_len}, logprobs {body['logprobs']}): "
+              f"{r.status_code}, {len(r.content)} B answer: {r.json()['error']['message'][:120]}")
+        failures += r.status_code != 400
+    budget = 65536  # the default --max-request-tokens
+    prompts, n, logprobs = 64, 4, 5
+    max_tokens = min(model_len, budget // (prompts * n * (1 + logprobs)))
+    body = {"model": "bart", "prompt": ["The council met."] * prompts, "n": n, "max_tokens": max_tokens,
+            "logprobs": logprobs, "temperature": 1.0, "ignore_eos": True, "seed": 1}
+    before = rss_kb(pid) if pid else 0
+    request = json.dumps(body).encode()
+    start = time.monotonic()
+    r = httpx.post(f"{bart_url}/v1/completions", content=request, headers={**auth, "Content-Type": "application/json"},
+                   timeout=600)
+    after = rss_kb(pid) if pid else 0
+    tokens = r.json().get("usage", {}).get("completion_tokens", 0) if r.status_code == 200 else 0
+    print(f"the largest admitted ({prompts} prompts x n={n} x max_tokens {max_tokens}, logprobs {logprobs}: "
+          f"{prompts * n * max_tokens * (1 + logprobs)} of the {budget} budget): {r.status_code} in "
+          f"{time.monotonic() - start:.1f} s, {len(request)} B request -> {len(r.content)} B answer "
+          f"({len(r.content) / len(request):.0f}x), {tokens} tokens"
+          + (f", server RSS {before / 1024:.0f} -> {after / 1024:.0f} MB" if pid else ""))
+    return failures + (r.status_code != 200)
+
+
 async def run_load(client: Client, num_requests: int, concurrency: int, timeout: float,
                    hostile: Hostile | None = None, hostile_share: float = 0.0) -> list[tuple]:
     gate = asyncio.Semaphore(concurrency)
@@ -284,6 +382,11 @@ def main() -> int:
                         help="share of all requests that are hostile (added to --requests good ones)")
     parser.add_argument("--compare", action="store_true",
                         help="run the good requests alone first; gate: with the hostile share, p99 <= 1.5x")
+    parser.add_argument("--slow-clients", type=int, default=0,
+                        help="also run the good load beside this many stalled uploads (each must get 408)")
+    parser.add_argument("--body-grace-s", type=float, default=10.0, help="the Whisper server's --body-grace-s")
+    parser.add_argument("--amplification", action="store_true",
+                        help="also send the small request that asks for gigabytes, and the largest one admitted")
     args = parser.parse_args()
     if not 1 <= args.requests <= 10_000 or not 1 <= args.concurrency <= 512:
         raise SystemExit("--requests must be in [1, 10000] and --concurrency in [1, 512]")
@@ -313,7 +416,8 @@ def main() -> int:
             from helpers import make_bart
 
             bart_model = str(make_bart(Path(tmp) / "bart"))
-        whisper_url = serve(args.whisper_model, args.whisper_url, "whisper-1", ["--kv-cache-space-gb", "0.5"])
+        whisper_url = serve(args.whisper_model, args.whisper_url, "whisper-1",
+                            ["--kv-cache-space-gb", "0.5", "--body-grace-s", str(args.body_grace_s)])
         bart_url = serve(bart_model, args.bart_url, "bart", ["--kv-cache-space-gb", "0.25"])
         for url in (whisper_url, bart_url):
             wait_healthy(url, procs.get(url))
@@ -330,6 +434,9 @@ def main() -> int:
             finally:
                 await client.whisper.close()
                 await client.bart.close()
+
+        async def session_coroutine(num_requests: int) -> list[tuple]:
+            return await session(num_requests, 0.0)
 
         def run(share: float) -> tuple[int, float]:
             before = generated()
@@ -353,6 +460,12 @@ def main() -> int:
             slow = ratio > 1.5
             print(f"p99 of the good requests: {p99:.2f} s with the hostile share vs {p99_alone:.2f} s without: "
                   f"{ratio:.2f}x ({'over' if slow else 'within'} the 1.5x bound)")
+        if args.slow_clients:
+            errors += slow_clients(whisper_url, args.api_key, args.slow_clients,
+                                   lambda: session_coroutine(args.requests))
+        if args.amplification:
+            pid = procs[bart_url].pid if bart_url in procs else None
+            errors += amplification(bart_url, args.api_key, pid)
         for url in (whisper_url, bart_url):
             cache = {k: v for k, v in read_metrics(url, args.api_key).items()
                      if k.startswith("encdec_prefix_cache_total")}
