@@ -267,7 +267,7 @@ class AsyncLLMEngine:
                 self._run_commands(block=idle)
                 if self._dead is None and engine.has_unfinished_requests():
                     self._step()
-        except BaseException as e:  # a bug in this loop: fail everyone rather than hang them
+        except BaseException:  # a bug in this loop: fail everyone rather than hang them
             logger.exception("engine thread crashed")
             self._dead = "the engine thread crashed (the log has the traceback)"
             self._fail_all(lambda: EngineDeadError(self._dead))
@@ -346,7 +346,8 @@ class AsyncLLMEngine:
         except Exception as e:
             logger.exception("engine step failed; aborting the requests in flight")
             self._num_step_errors += 1
-            self._fail_all(lambda: EngineStepError(f"engine step failed ({e!r}); the request was aborted"))
+            message = f"engine step failed ({e!r}); the request was aborted"
+            self._fail_all(lambda: EngineStepError(message))
             free, total = self.engine.num_free_blocks(), self.engine.num_total_blocks()
             if self.engine.has_unfinished_requests() or free != total:
                 self._dead = "engine state inconsistent after a failed step (the log has the traceback)"

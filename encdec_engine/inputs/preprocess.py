@@ -14,7 +14,7 @@ explicit encoder/decoder prompt is an error.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
 
 from encdec_engine.sequence import EncoderSequence
 from encdec_engine.inputs.prompts import ParsedSingleton, PromptType, parse_prompt
