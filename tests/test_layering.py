@@ -15,7 +15,7 @@ LEVELS = {
     "models": 2,
     "worker": 3,
     "engine": 4, "inputs": 4,
-    "speech.audio": 4, "speech.features": 4,  # leaves: the audio prompt format (inputs/) converts audio with them
+    "speech.audio": 4, "speech.features": 4, "speech.ffmpeg": 4,  # leaves: the audio prompt format (inputs/) converts audio with them
     "llm": 5, "speech": 5,
     "entrypoints": 6, "distributed": 6,  # distributed: batch jobs and replicated serving on Ray, beside the CLI
 }

@@ -270,15 +270,16 @@ class LLMEngine:
 
     def _fail_step(self, out: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
         """End every request whose KV the failed step touched, free its blocks; their outputs."""
-        logger.error("a %s step of %d requests failed (%s); they alone are ended",
-                     "prefill" if out.is_prompt else "decode", len(out.groups), type(error).__name__,
-                     exc_info=isinstance(error, Exception))
+        interrupted = not isinstance(error, Exception)  # the caller sees it: no error in the log
+        logger.log(logging.DEBUG if interrupted else logging.ERROR, "a %s step of %d requests %s; they alone are ended",
+                   "prefill" if out.is_prompt else "decode", len(out.groups),
+                   "was interrupted" if interrupted else "failed", exc_info=not interrupted)
         self.stats["failed_steps"] += 1
-        reason = "was interrupted" if not isinstance(error, Exception) else "failed"
+        reason = "was interrupted" if interrupted else "failed"
         groups = list({id(g): g for g in out.groups + out.swapped_in + out.swapped_out}.values())
         for group in groups:
             self.output_processor.fail(group, f"the model step running this request {reason} "
-                                              f"({type(error).__name__}: {error})")
+                                              f"({type(error).__name__}: {error})", log=not interrupted)
             self.scheduler.remove(group)
         return [self._output(group) for group in groups]
 

@@ -49,10 +49,12 @@ class OutputProcessor:
             except Exception as e:
                 self.fail(group, e)
 
-    def fail(self, group: SequenceGroup, error: BaseException | str) -> None:
+    def fail(self, group: SequenceGroup, error: BaseException | str, log: bool = True) -> None:
         """End the group with finish_reason "error"; the scheduler frees it with the finished groups."""
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        if isinstance(error, BaseException) and not isinstance(error, RequestFailure):
+        if not log:
+            pass
+        elif isinstance(error, BaseException) and not isinstance(error, RequestFailure):
             logger.error("request %s failed; it alone is ended", group.request_id, exc_info=error)
         else:
             logger.error("request %s failed (%s); it alone is ended", group.request_id, message)

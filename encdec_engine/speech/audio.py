@@ -9,7 +9,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from encdec_engine.speech import ffmpeg
+import encdec_engine.speech.ffmpeg as ffmpeg
 
 SAMPLE_RATE = 16000  # Hz, the rate Whisper was trained on
 N_FFT = 400  # samples per STFT window (25 ms)
