@@ -28,8 +28,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | xformers
     enable_prefix_caching: bool = True  # reuse cached encoder outputs (cross KV) and decoder prefixes
     enforce_eager: bool = False  # CUDA: never replay decode from CUDA graphs
-    quantization: str | None = None  # "int8": CPU linears on int8 weights, per-channel scales (layers/int8_linear.py)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-group scales, attention/kv_quant.py)
+    quantization: str | None = None  # "int8": CPU linears on int8 weights, per-channel scales (quantization/int8_weights.py)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-group scales, quantization/kv_int8.py)
     # torch's CPU threads (set for the whole process before the model loads); None: $OMP_NUM_THREADS when
     # set, else the cores this process may use (os.sched_getaffinity)
     threads: int | None = None

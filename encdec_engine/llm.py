@@ -11,11 +11,11 @@ from tqdm.auto import tqdm
 from encdec_engine.config import EngineConfig
 from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.inputs.prompts import PromptType
-from encdec_engine.models.model_names import DEFAULT_MODEL
-from encdec_engine.models.whisper_tokenizer import WhisperTextTokenizer
+from encdec_engine.checkpoints.names import DEFAULT_MODEL
+from encdec_engine.checkpoints.whisper_tokenizer import WhisperTextTokenizer
 from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.speech.audio import audio_inputs
+from encdec_engine.inputs.audio import audio_inputs
 from encdec_engine.speech.offline import TranscriptionUpdate, stream_transcriptions
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.results import Segment, Transcription
@@ -29,7 +29,7 @@ class LLM:
     >>> outs[0].outputs[0].text
 
     `model` is a checkpoint folder, a short Whisper name found offline (`tiny.en`, `base`, ...,
-    `turbo`: see models/model_names.py) or a hub id; the default is tiny.en, bundled. `kwargs` are
+    `turbo`: see checkpoints/names.py) or a hub id; the default is tiny.en, bundled. `kwargs` are
     EngineConfig fields, e.g. `threads=N` (torch's CPU threads; default: the cores this process may use).
     """
 

@@ -63,7 +63,7 @@ marks = [("start", time.perf_counter())]
 import torch
 marks.append(("import torch", time.perf_counter()))
 from encdec_engine import LLM
-from encdec_engine.models.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2_import import default_model_path
 marks.append(("import encdec_engine", time.perf_counter()))
 torch.set_num_threads(int(sys.argv[2]))
 # No encoder-output reuse: the second pass then redoes the whole job, as bench_whisper.py times it.
@@ -87,7 +87,7 @@ def commands(args, audio: Path, out: Path) -> dict[str, tuple[list[str], Path]]:
     """Each system's command line and the file its transcript lands in."""
     def engine(name: str, *extra: str) -> tuple[list[str], Path]:
         folder = out / name
-        return ([sys.executable, "-m", "encdec_engine.entrypoints.cli", "transcribe", str(audio), "--language", "en",
+        return ([sys.executable, "-m", "encdec_engine.cli.main", "transcribe", str(audio), "--language", "en",
                  "--threads", str(args.threads), "-o", str(folder), "--output-format", "txt", *extra],
                 folder / f"{audio.stem}.txt")
 

@@ -69,8 +69,8 @@ def engine_generator(llm) -> Callable[[int], list[int]]:
     """generate(new_tokens) -> the tokens `llm` decodes greedily for the first 30 s of long_meeting, end of
     text banned."""
     from encdec_engine import SamplingParams
-    from encdec_engine.speech.audio import load_audio
-    from encdec_engine.speech.features import log_mel_spectrogram
+    from encdec_engine.inputs.audio import load_audio
+    from encdec_engine.inputs.features import log_mel_spectrogram
 
     features = log_mel_spectrogram([load_audio(AUDIO)[:WINDOW_SAMPLES]])[0]
     prompt = {"prompt": "", "multi_modal_data": {"input_features": features}}
@@ -89,7 +89,7 @@ def engine_worker(args) -> dict:
     import torch
 
     from encdec_engine import LLM
-    from encdec_engine.models.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2_import import default_model_path
 
     torch.set_num_threads(args.threads)
     llm = LLM(model=str(default_model_path()), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -103,7 +103,7 @@ def engine_worker(args) -> dict:
         high = {k: v - low[k] for k, v in timers.totals.items()}
     steps = args.tokens - args.tokens_low
     result["parts_ms"] = {k: 1e3 * (high[k] - low[k]) / steps for k in PARTS}
-    from encdec_engine.layers.cpu_kernels import machine_plan
+    from encdec_engine.worker.cpu_kernels import machine_plan
 
     result["kernels"] = machine_plan(int8=args.quantization == "int8").describe()
     return result
@@ -120,7 +120,7 @@ class PartTimers:
         from torch import nn
 
         from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
-        from encdec_engine.layers.int8_linear import Int8Linear
+        from encdec_engine.quantization.int8_weights import Int8Linear
         from encdec_engine.layers.linear import PackedLinear
         from encdec_engine.models.whisper import WhisperForConditionalGeneration
 

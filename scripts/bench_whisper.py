@@ -134,7 +134,7 @@ def speak(text: str, voice: str, speed: int, tmp: Path) -> np.ndarray:
 
 
 def build_clips(count: int, tmp: Path) -> list[Audio]:
-    from encdec_engine.speech.audio import load_audio
+    from encdec_engine.inputs.audio import load_audio
 
     refs = json.loads((AUDIO_DIR / "transcripts.json").read_text())
     clips = []
@@ -153,7 +153,7 @@ def build_clips(count: int, tmp: Path) -> list[Audio]:
 def build_long(minutes: float, tmp: Path) -> list[Audio]:
     """long_meeting.flac, and a recording of about `minutes` made of the sentences in turn, each
     voice speaking a few, with pauses between them."""
-    from encdec_engine.speech.audio import load_audio
+    from encdec_engine.inputs.audio import load_audio
 
     refs = json.loads((AUDIO_DIR / "transcripts.json").read_text())
     meeting = tmp / "long_meeting.wav"
@@ -206,7 +206,7 @@ def run_rounds(rows: list[System], workload: str, audio: list[Audio], args, tmp:
 
 
 def systems(args) -> list[System]:
-    from encdec_engine.models.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2_import import default_model_path
 
     hf_dir = str(default_model_path())
     me = sys.executable
@@ -247,7 +247,7 @@ def wer(refs: list[str], hyps: list[str]) -> float:
 def cpu_line() -> str:
     import torch
 
-    from encdec_engine.layers.cpu_kernels import cpu_model
+    from encdec_engine.worker.cpu_kernels import cpu_model
 
     flags = set()
     try:

@@ -65,7 +65,7 @@ def free_port() -> int:
 
 def start_server(model: str | None, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "encdec_engine.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port",
+    cmd = [sys.executable, "-m", "encdec_engine.cli.main", "serve", "--host", "127.0.0.1", "--port",
            str(port), "--log-level", "warning", *extra] + (["--model", model] if model else [])
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
     return proc, f"http://127.0.0.1:{port}"

@@ -76,7 +76,7 @@ def server_run(upload: Path, uploads: int, extra: list[str]) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "encdec_engine.entrypoints.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "encdec_engine.cli.main", "serve", "--port", str(port),
                              "--log-level", "warning", *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:

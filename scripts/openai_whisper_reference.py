@@ -137,8 +137,8 @@ def main() -> None:
     from recordings import AUDIO, RECORDINGS, build, spoken_text
 
     from encdec_engine import LLM
-    from encdec_engine.models.ct2_import import _bundled_model_dir, default_model_path
-    from encdec_engine.speech.audio import load_audio
+    from encdec_engine.checkpoints.ct2_import import _bundled_model_dir, default_model_path
+    from encdec_engine.inputs.audio import load_audio
 
     names = list(LONG) + list(RECORDINGS)
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from encdec_engine.speech.audio import SAMPLE_RATE, load_audio
+from encdec_engine.inputs.audio import SAMPLE_RATE, load_audio
 
 AUDIO = Path(__file__).resolve().parent.parent / "prompts" / "audio"
 MEETING, STELLA, THANKS = "meeting_stereo_44k.wav", "stella.wav", "thanks_fast.wav"

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from test_server import AUDIO, LiveServer
 
-from encdec_engine.entrypoints.server import ServerLimits, build_app
-from encdec_engine.models.ct2_import import default_model_path
-from encdec_engine.speech import ffmpeg
-from encdec_engine.speech.audio import AudioError, load_audio
+from encdec_engine.server.app import ServerLimits, build_app
+from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.inputs import ffmpeg
+from encdec_engine.inputs.audio import AudioError, load_audio
 
 PLAYLISTS = {
     "ffconcat": "ffconcat version 1.0\nfile {target}\n",
@@ -292,14 +292,14 @@ def test_atomic_writes_reach_the_disk_before_and_after_the_rename(tmp_path, monk
     data is synced before the rename, the rename (the folder) after it."""
     import os
 
-    from encdec_engine.entrypoints import writers
+    from encdec_engine import files
 
     events = []
     real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}")))
                         or real_fsync(fd))
     monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", None)) or real_replace(a, b))
-    writers.write_atomically(tmp_path / "call.txt", "hello\n")
+    files.write_atomically(tmp_path / "call.txt", "hello\n")
     assert events == [("fsync", False), ("replace", None), ("fsync", True)]
     assert (tmp_path / "call.txt").read_text() == "hello\n"
 
@@ -309,7 +309,7 @@ def test_a_ctranslate2_folder_is_imported_once_into_the_cache_never_written_into
     every start, while other workers read them)."""
     import shutil
 
-    from encdec_engine.models import ct2_import
+    from encdec_engine.checkpoints import ct2_import
 
     src = tmp_path / "faster-whisper-tiny.en"
     shutil.copytree(ct2_import._bundled_model_dir(), src)
@@ -333,8 +333,8 @@ def test_per_input_limits_refuse_before_decoding(tmp_path, make_llm, monkeypatch
     limit is its own error, found from the header (audio) or the file size (text) before decoding."""
     import subprocess
 
-    from encdec_engine.entrypoints.cli import main
-    from encdec_engine.speech import audio
+    from encdec_engine.cli.main import main
+    from encdec_engine.inputs import audio
 
     long_m4a, long_wav = tmp_path / "two-minutes.m4a", tmp_path / "two-minutes.wav"
     for path in (long_m4a, long_wav):

@@ -252,7 +252,7 @@ def test_head_major_copies_stay_within_their_budget():
 def test_int8_cross_context_is_read_from_a_dequantized_head_major_copy():
     """An int8 pool's cross context is dequantized once into its head-major copy; reads from it give
     what the per-step int8 path (scales folded into scores and probabilities) gives."""
-    from encdec_engine.attention.kv_quant import row_width
+    from encdec_engine.quantization.kv_int8 import row_width
 
     length, num_kv_heads, head_dim = 150, 2, 64
     blocks = -(-length // BS)

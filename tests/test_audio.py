@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from encdec_engine.speech.audio import (
+from encdec_engine.inputs.audio import (
     N_SAMPLES,
     SAMPLE_RATE,
     AudioError,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import WhisperFeatureExtractor
 
-from encdec_engine.speech.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, load_audio
-from encdec_engine.speech.features import log_mel_spectrogram, long_log_mel_spectrogram, pad_or_trim
+from encdec_engine.inputs.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, load_audio
+from encdec_engine.inputs.features import log_mel_spectrogram, long_log_mel_spectrogram, pad_or_trim
 
 AUDIO_DIR = Path(__file__).resolve().parent.parent / "prompts" / "audio"
 # Measured: 0.0 (bit-identical) on CPU for both 80 and 128 bins; the bound leaves room

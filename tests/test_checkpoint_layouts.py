@@ -25,8 +25,8 @@ from transformers import (AutoTokenizer, BartForConditionalGeneration, Generatio
                           LlamaForCausalLM, WhisperForConditionalGeneration)
 
 from encdec_engine import SamplingParams
-from encdec_engine.speech.audio import load_audio
-from encdec_engine.speech.features import log_mel_spectrogram
+from encdec_engine.inputs.audio import load_audio
+from encdec_engine.inputs.features import log_mel_spectrogram
 from encdec_engine.speech.timestamp_rules import timestamp_rules_from_generation_config
 
 AUDIO = ROOT / "prompts" / "audio"
@@ -297,7 +297,7 @@ def test_layout_loads_and_matches_hf_greedy(base, layout, bases, layout_folder, 
 
 @pytest.fixture(scope="module")
 def tiny_en_reference(make_llm):
-    from encdec_engine.models.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2_import import default_model_path
 
     path = default_model_path()
     return path, make_llm(path, num_kv_blocks=200)
@@ -381,7 +381,7 @@ def test_llama_with_a_sentencepiece_tokenizer_model_only(tmp_path, make_llm):
 
 def test_a_tokenizer_the_install_cannot_read_names_the_file(tmp_path, monkeypatch, bases):
     from encdec_engine import LLM
-    from encdec_engine.models import tokenizer_files
+    from encdec_engine.checkpoints import tokenizer_files
 
     folder = tmp_path / "llama"
     shutil.copytree(bases["llama_untied"], folder)
@@ -404,8 +404,8 @@ def test_the_matrix_counts_the_layouts_the_readme_states():
 def test_openai_whisper_defaults_equal_tiny_en_generation_config(caplog):
     """With generation_config.json's Whisper fields taken away, the tokenizer and openai-whisper's rules
     give them back, and the loader says where each came from."""
-    from encdec_engine.models.ct2_import import default_model_path
-    from encdec_engine.models.whisper_vocab import complete_whisper_generation_config
+    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.whisper_vocab import complete_whisper_generation_config
     from transformers import AutoConfig
 
     path = default_model_path()
@@ -425,7 +425,7 @@ def test_openai_whisper_defaults_equal_tiny_en_generation_config(caplog):
 
 
 def test_fields_transformers_drops_are_read_from_the_json(bases, tmp_path):
-    from encdec_engine.models.generation_config import load_generation_config
+    from encdec_engine.checkpoints.generation_config import load_generation_config
     from transformers import AutoConfig
 
     folder = tmp_path / "whisper"
@@ -505,7 +505,7 @@ def test_ids_past_the_tokenizer_decode_to_no_text(bases):
 ])
 def test_openai_whisper_layout_without_tokenizer_or_generation_config(vocab_size, expected):
     """The ids of HF's own generation configs for these vocabularies, from the vocabulary size alone."""
-    from encdec_engine.models.whisper_vocab import complete_whisper_generation_config
+    from encdec_engine.checkpoints.whisper_vocab import complete_whisper_generation_config
     from transformers import WhisperConfig
 
     config = WhisperConfig(vocab_size=vocab_size, decoder_start_token_id=50257 + (vocab_size > 51864))

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from encdec_engine.entrypoints.cli import build_parser, main
-from encdec_engine.entrypoints.cli_args import normalize_argv
-from encdec_engine.entrypoints.transcribe_args import temperatures, transcribe_options
+from encdec_engine.cli.main import build_parser, main
+from encdec_engine.cli.args import normalize_argv
+from encdec_engine.cli.transcribe_args import temperatures, transcribe_options
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = str(ROOT / "prompts" / "audio" / "fox.wav")
@@ -29,7 +29,7 @@ def parse(*argv: str):
 def test_help_is_fast_and_imports_no_torch():
     """`encdec --help` and `encdec transcribe --help` answer without importing torch or the engine; the
     bound on the wall time (Python's own start-up included) is loose, the measured time is printed."""
-    cmd = [sys.executable, "-m", "encdec_engine.entrypoints.cli"]
+    cmd = [sys.executable, "-m", "encdec_engine.cli.main"]
     for args in (["--help"], ["transcribe", "--help"]):
         start = time.perf_counter()
         r = subprocess.run(cmd + args, capture_output=True, text=True, timeout=60)
@@ -37,7 +37,7 @@ def test_help_is_fast_and_imports_no_torch():
         print(f"encdec {' '.join(args)}: {seconds:.3f} s")
         assert r.returncode == 0 and "usage: encdec" in r.stdout, r.stderr
         assert seconds < 5.0  # 0.1-0.2 s on an idle machine; loose for loaded CI runners
-    probe = ("import sys\nfrom encdec_engine.entrypoints.cli import main\n"
+    probe = ("import sys\nfrom encdec_engine.cli.main import main\n"
              "for argv in (['--help'], ['transcribe', '--help'], ['--version']):\n"
              "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
              f"print({HEAVY!r} and sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))")
@@ -184,7 +184,7 @@ def test_a_file_without_read_permission_is_reported(no_engine, tmp_path, capsys)
 
 def test_refusals_import_no_torch():
     """The checks on flags, values and files run before torch is even imported."""
-    probe = ("import sys\nfrom encdec_engine.entrypoints.cli import main\n"
+    probe = ("import sys\nfrom encdec_engine.cli.main import main\n"
              f"clip = {CLIP!r}\n"
              "codes = [main(['transcribe', clip, *a]) for a in (['--language', 'xx'], ['--patience', '2'],\n"
              "         ['--verbose', '--quiet'], ['--clip_timestamps', '5,2'])]\n"
@@ -196,7 +196,7 @@ def test_refusals_import_no_torch():
 
 
 def test_engine_flags_reach_the_engine_config():
-    from encdec_engine.entrypoints.cli_args import engine_kwargs
+    from encdec_engine.cli.args import engine_kwargs
 
     kwargs = engine_kwargs(parse("transcribe", "a.wav", "--threads", "3", "--dtype", "float32"))
     assert (kwargs["threads"], kwargs["dtype"]) == (3, "float32")
@@ -207,7 +207,7 @@ def test_fp16_is_openai_whispers(capsys, monkeypatch):
     """--fp16 True: float16 on CUDA; on the CPU openai-whisper warns and runs float32, as here. Unset: --dtype."""
     import torch
 
-    from encdec_engine.entrypoints.cli_transcribe import _dtype
+    from encdec_engine.cli.transcribe import _dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _dtype(parse("transcribe", "a.wav", "--fp16", "True")) == "float32"

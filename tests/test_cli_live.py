@@ -18,7 +18,7 @@ VERBOSE_LINE = re.compile(r"^\[(\d\d:)?\d\d:\d\d\.\d\d\d --> (\d\d:)?\d\d:\d\d\.
 
 
 def start(*args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "encdec_engine.entrypoints.cli", "transcribe", *args], cwd=cwd,
+    return subprocess.Popen([sys.executable, "-m", "encdec_engine.cli.main", "transcribe", *args], cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

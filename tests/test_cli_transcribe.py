@@ -14,7 +14,7 @@ VTT_TIME = re.compile(r"^(?:(\d\d):)?(\d\d):(\d\d)\.(\d\d\d) --> (?:(\d\d):)?(\d
 
 def encdec(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """The CLI in a subprocess; by default (as openai-whisper) it writes every format into `cwd`."""
-    return subprocess.run([sys.executable, "-m", "encdec_engine.entrypoints.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "encdec_engine.cli.main", *args], capture_output=True,
                           text=True, timeout=600, cwd=cwd)
 
 
@@ -108,7 +108,7 @@ def test_bad_destinations_and_options_fail_before_any_work(tmp_path):
 def test_subtitle_flags_are_refused_before_any_work(capsys):
     """In process (refused before the model loads): the word layout flags need --word-timestamps, valid values,
     and an srt or vtt file to shape."""
-    from encdec_engine.entrypoints.cli import main
+    from encdec_engine.cli.main import main
 
     clip = [str(AUDIO / "fox.wav"), "--quiet"]
     cases = [

@@ -9,7 +9,7 @@ from pathlib import Path
 import soundfile
 from vad_audio import recording, silence
 
-from encdec_engine.speech.audio import SAMPLE_RATE
+from encdec_engine.inputs.audio import SAMPLE_RATE
 from encdec_engine.speech.vad import VadOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,8 +18,8 @@ CLIP = str(ROOT / "prompts" / "audio" / "fox.wav")
 
 def test_vad_flags_become_vad_parameters():
     """Each --vad-* flag sets the vad_parameters field of its name; the others keep their defaults."""
-    from encdec_engine.entrypoints.cli import build_parser
-    from encdec_engine.entrypoints.transcribe_args import transcribe_options
+    from encdec_engine.cli.main import build_parser
+    from encdec_engine.cli.transcribe_args import transcribe_options
 
     def options(*flags):
         return transcribe_options(build_parser().parse_args(["transcribe", CLIP, *flags]), (0.0,))
@@ -36,7 +36,7 @@ def test_vad_flags_become_vad_parameters():
 
 
 def test_bad_vad_flags_are_refused_before_any_work(capsys):
-    from encdec_engine.entrypoints.cli import main
+    from encdec_engine.cli.main import main
 
     cases = [
         (["--vad-threshold", "0.6"], "--vad-threshold needs --vad-filter"),
@@ -57,7 +57,7 @@ def test_vad_filter_end_to_end(tmp_path):
     rec = recording(silence(1), "fox.wav", silence(10), "weather.wav")
     path = tmp_path / "pauses.wav"
     soundfile.write(path, rec.samples, SAMPLE_RATE)
-    done = subprocess.run([sys.executable, "-m", "encdec_engine.entrypoints.cli", "transcribe", str(path), "--quiet",
+    done = subprocess.run([sys.executable, "-m", "encdec_engine.cli.main", "transcribe", str(path), "--quiet",
                            "--vad-filter", "--chunked", "--word-timestamps", "--output-format", "json",
                            "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr

@@ -19,10 +19,10 @@ from transformers import (
     WhisperTokenizerFast,
 )
 
-from encdec_engine.speech.audio import load_audio
-from encdec_engine.speech.features import log_mel_spectrogram
-from encdec_engine.models import ct2_import
-from encdec_engine.models.ct2_import import default_model_path, import_ct2_whisper, is_ct2_model_dir
+from encdec_engine.inputs.audio import load_audio
+from encdec_engine.inputs.features import log_mel_spectrogram
+from encdec_engine.checkpoints import ct2_import
+from encdec_engine.checkpoints.ct2_import import default_model_path, import_ct2_whisper, is_ct2_model_dir
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 jiwer = pytest.importorskip("jiwer")

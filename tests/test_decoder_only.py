@@ -163,7 +163,7 @@ def test_unsupported_options_fail_at_load():
 def test_loading_is_strict(config, paths):
     from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
     from encdec_engine.models.registry import resolve_model_class
-    from encdec_engine.models.weights import iter_checkpoint
+    from encdec_engine.checkpoints.weights import iter_checkpoint
 
     model_cls = _HF_CLASSES[CONFIGS[config][0]]
     hf_config = model_cls.config_class.from_pretrained(paths[config])

@@ -27,10 +27,10 @@ from encdec_engine import SamplingParams, distributed
 from encdec_engine.distributed import jobs, workers
 from encdec_engine.distributed.inputs import audio_inputs
 from encdec_engine.distributed.results import read_rows
-from encdec_engine.entrypoints.cli import main
-from encdec_engine.entrypoints.server_gate import ServerLimits
-from encdec_engine.entrypoints.writers import write_transcription
-from encdec_engine.models.ct2_import import default_model_path
+from encdec_engine.cli.main import main
+from encdec_engine.server.limits import ServerLimits
+from encdec_engine.speech.writers import write_transcription
+from encdec_engine.checkpoints.ct2_import import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 AUDIO = ROOT / "prompts" / "audio"
@@ -155,7 +155,7 @@ def test_resume_after_a_killed_driver_runs_only_the_rest(ray_cluster, bart_path,
     argv = ["generate", str(prompts), "--model", str(bart_path), "--ray", ray_cluster, "--num-workers", "1",
             "--batch-size", "1", "--max-tokens", "24", "--kv-cache-space-gb", "0.05", "--results", str(results),
             "--quiet"]
-    driver = subprocess.Popen([sys.executable, "-m", "encdec_engine.entrypoints.cli", *argv],
+    driver = subprocess.Popen([sys.executable, "-m", "encdec_engine.cli.main", *argv],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while (not results.exists() or len(read_rows(results)) < 2) and time.monotonic() < deadline:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from encdec_engine.distributed.cli import split_ray_address
+from encdec_engine.cli.ray import split_ray_address
 from encdec_engine.distributed.inputs import audio_inputs, prompt_inputs, text_inputs
 from encdec_engine.distributed.metrics_merge import merge
 from encdec_engine.distributed.results import ResultsFile, read_rows
-from encdec_engine.entrypoints.cli import build_parser, main
-from encdec_engine.entrypoints.writers import write_atomically
+from encdec_engine.cli.main import build_parser, main
+from encdec_engine.files import write_atomically
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,10 +174,10 @@ def test_ray_only_flags_are_refused_without_ray(argv, message, capsys):
 
 
 def test_a_worker_without_the_model_folder_says_where_it_looked(tmp_path):
-    from encdec_engine.distributed.workers import resolve_model
+    from encdec_engine.checkpoints.names import resolve_job_model
 
     with pytest.raises(FileNotFoundError, match=f"model folder {tmp_path}/gone does not exist on .*shared file system"):
-        resolve_model(str(tmp_path / "gone"))
+        resolve_job_model(str(tmp_path / "gone"))
 
 
 def test_a_missing_model_fails_before_a_cluster_starts(tmp_path, capsys):
@@ -195,7 +195,7 @@ def test_the_package_imports_and_runs_without_ray(tmp_path):
     """The base install has no Ray: importing the package, the CLI and `distributed` must work, and a
     --ray command must say how to install Ray instead of a traceback."""
     code = BLOCK_RAY + (
-        "import encdec_engine, encdec_engine.entrypoints.cli as cli, encdec_engine.distributed as d\n"
+        "import encdec_engine, encdec_engine.cli.main as cli, encdec_engine.distributed as d\n"
         "assert 'ray' not in sys.modules\n"
         f"sys.exit(cli.main(['transcribe', '--ray', {str(ROOT / 'prompts/audio/fox.wav')!r}]))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)

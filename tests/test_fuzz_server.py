@@ -24,9 +24,9 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
                                                response_schema_conformance, status_code_conformance)
 from test_server import AUTH, KEY, LiveServer
 
-from encdec_engine.entrypoints.server import ServerLimits, build_app
-from encdec_engine.entrypoints.server_openapi import SEMANTIC_RULES
-from encdec_engine.models.ct2_import import default_model_path
+from encdec_engine.server.app import ServerLimits, build_app
+from encdec_engine.server.openapi import SEMANTIC_RULES
+from encdec_engine.checkpoints.ct2_import import default_model_path
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 

@@ -90,8 +90,8 @@ def test_bart_bf16_first_tokens_agree_with_hf_bf16(bart_path, make_llm):
 def whisper_clips():
     from test_whisper import AUDIO, SHORT_CLIPS
 
-    from encdec_engine.speech.audio import load_audio
-    from encdec_engine.speech.features import log_mel_spectrogram
+    from encdec_engine.inputs.audio import load_audio
+    from encdec_engine.inputs.features import log_mel_spectrogram
 
     files = [AUDIO / n for n in SHORT_CLIPS]
     return files, log_mel_spectrogram([load_audio(f) for f in files])
@@ -101,7 +101,7 @@ def whisper_clips():
 def hf_tiny_en_cuda():
     from transformers import WhisperForConditionalGeneration
 
-    from encdec_engine.models.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2_import import default_model_path
 
     return WhisperForConditionalGeneration.from_pretrained(default_model_path()).to(CUDA).eval()
 
@@ -113,7 +113,7 @@ def hf_whisper_tokens(model, features) -> list[list[int]]:
 
 
 def test_whisper_tiny_en_matches_hf_on_cuda_fp32(make_llm, whisper_clips, hf_tiny_en_cuda):
-    from encdec_engine.models.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2_import import default_model_path
 
     llm = make_llm(default_model_path(), device="cuda", dtype="float32", gpu_memory_utilization=0.4)
     files, features = whisper_clips
@@ -126,7 +126,7 @@ def test_whisper_tiny_en_matches_hf_on_cuda_fp32(make_llm, whisper_clips, hf_tin
 
 
 def test_whisper_tiny_en_bf16_first_token_agrees(make_llm, whisper_clips, hf_tiny_en_cuda):
-    from encdec_engine.models.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2_import import default_model_path
 
     llm = make_llm(default_model_path(), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.4)
     files, features = whisper_clips

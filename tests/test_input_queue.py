@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from encdec_engine.models.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2_import import default_model_path
 from encdec_engine.speech import offline
-from encdec_engine.speech.audio import load_audio
+from encdec_engine.inputs.audio import load_audio
 from encdec_engine.speech.inputs import InputQueue, probe_seconds
 
 AUDIO = Path(__file__).resolve().parent.parent / "prompts" / "audio"

@@ -16,13 +16,13 @@ from torch import nn
 
 from encdec_engine import SamplingParams
 from encdec_engine.config import EngineConfig
-from encdec_engine.layers import cpu_kernels
-from encdec_engine.layers.cpu_kernels import CpuLinearPlan, choose_fp32, choose_int8_decode
-from encdec_engine.layers.int8_linear import (ACTIVATION_ROWS, Int8Linear, Int8Weight, fbgemm_available,
+from encdec_engine.worker import cpu_kernels
+from encdec_engine.worker.cpu_kernels import CpuLinearPlan, choose_fp32, choose_int8_decode
+from encdec_engine.quantization.int8_weights import (ACTIVATION_ROWS, Int8Linear, Int8Weight, fbgemm_available,
                                               quantize_per_channel)
 from encdec_engine.layers.linear import PackedLinear, VocabProjection
-from encdec_engine.models.ct2_format import read_ct2_variables
-from encdec_engine.models.ct2_import import default_model_path, import_ct2_whisper
+from encdec_engine.checkpoints.ct2_format import read_ct2_variables
+from encdec_engine.checkpoints.ct2_import import default_model_path, import_ct2_whisper
 
 pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="torch built without fbgemm")
 
@@ -305,8 +305,8 @@ def test_half_precision_checkpoints_are_quantized_once_at_load(dtype, bart_path,
 def test_every_command_takes_the_int8_flags():
     """`serve`, `transcribe`, `generate` and `summarize` share the engine flags; faster-whisper's
     --compute-type spelling maps onto them, and a contradiction is refused."""
-    from encdec_engine.entrypoints.cli import build_parser
-    from encdec_engine.entrypoints.cli_args import engine_kwargs as _engine_kwargs
+    from encdec_engine.cli.main import build_parser
+    from encdec_engine.cli.args import engine_kwargs as _engine_kwargs
 
     parse = build_parser().parse_args
     for command in (["serve"], ["transcribe", "a.wav"], ["generate", "p.jsonl", "--model", "m"],
@@ -322,7 +322,7 @@ def test_every_command_takes_the_int8_flags():
 def test_the_fp32_kernel_can_be_pinned_for_every_process(monkeypatch):
     """ENCDEC_CPU_LINEAR pins the fp32 kernel without calibrating (server replicas and Ray workers then sum
     in one order); a value it does not know is an error naming it."""
-    from encdec_engine.layers import cpu_kernels
+    from encdec_engine.worker import cpu_kernels
 
     for value, kernel in (("mkl", "mkl"), ("default", "onednn" if cpu_kernels.is_avx512(
             torch.backends.cpu.get_cpu_capability()) and cpu_kernels.onednn_packing_available() else "mkl")):

@@ -11,8 +11,8 @@ import pytest
 from helpers import make_whisper
 
 from encdec_engine.engine.loader import resolve_model_path
-from encdec_engine.models.ct2_import import default_model_path
-from encdec_engine.models.model_names import (WHISPER_NAMES, available_names, is_english_only, resolve_model_name)
+from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.names import (WHISPER_NAMES, available_names, is_english_only, resolve_model_name)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ def test_model_dir_folders_and_aliases(tmp_path, hub_cache):
 def test_cli_takes_a_short_name_offline(tmp_path):
     """`--model tiny.en` with the hub offline: resolved before loading, transcribed."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-m", "encdec_engine.entrypoints.cli", "transcribe",
+    r = subprocess.run([sys.executable, "-m", "encdec_engine.cli.main", "transcribe",
                         str(ROOT / "prompts" / "audio" / "coffee.wav"), "--model", "tiny.en", "-f", "txt"],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from recordings import AUDIO, RECORDINGS, build, missing_utterances
 
-from encdec_engine.speech.audio import load_audio
+from encdec_engine.inputs.audio import load_audio
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "openai_whisper_reference.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def tiny_en(make_llm):
-    from encdec_engine.models.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2_import import default_model_path
 
     return make_llm(default_model_path())
 

@@ -64,9 +64,9 @@ def test_caching_under_memory_pressure(bart_path, make_llm):
 def test_whisper_audio_reuse(make_llm):
     from pathlib import Path
 
-    from encdec_engine.models.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2_import import default_model_path
 
-    from encdec_engine.speech.audio import load_audio
+    from encdec_engine.inputs.audio import load_audio
 
     llm = make_llm(default_model_path())
     # Quieter than the bundled clip, so no other test on this shared engine has cached it.

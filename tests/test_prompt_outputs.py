@@ -8,9 +8,9 @@ import torch
 from transformers import BartForConditionalGeneration, WhisperForConditionalGeneration
 
 from encdec_engine import SamplingParams
-from encdec_engine.speech.audio import load_audio
-from encdec_engine.speech.features import log_mel_spectrogram
-from encdec_engine.models.ct2_import import default_model_path
+from encdec_engine.inputs.audio import load_audio
+from encdec_engine.inputs.features import log_mel_spectrogram
+from encdec_engine.checkpoints.ct2_import import default_model_path
 
 AUDIO = Path(__file__).resolve().parent.parent / "prompts" / "audio"
 

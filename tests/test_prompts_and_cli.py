@@ -44,7 +44,7 @@ def test_prompt_file_errors(tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "encdec_engine.entrypoints.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "encdec_engine.cli.main", *args], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
 
 
@@ -96,7 +96,7 @@ def test_skip_tokenizer_init_works_on_token_ids_alone(bart_path, make_llm):
 
 
 def test_cli_generate_reports_failed_requests_and_exits_1(bart_path, make_llm, monkeypatch, capsys):
-    from encdec_engine.entrypoints import cli
+    from encdec_engine.cli import main as cli
 
     llm = make_llm(bart_path, num_kv_blocks=64)
 
@@ -124,7 +124,7 @@ def test_encdec_program_leaves_without_teardown_after_a_one_shot_command(tmp_pat
     r = run_cli("transcribe", "nope.wav", "-o", str(tmp_path))
     assert r.returncode == 1 and "nope.wav" in r.stderr
 
-    from encdec_engine.entrypoints import cli
+    from encdec_engine.cli import main as cli
 
     assert cli._main(["transcribe", str(tmp_path / "missing.wav")]) == (1, True)
     exits = []

@@ -23,10 +23,10 @@ from encdec_engine import SamplingParams
 from encdec_engine.config import EngineConfig
 from encdec_engine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
 from encdec_engine.engine.llm_engine import LLMEngine
-from encdec_engine.entrypoints.cli import build_parser
-from encdec_engine.entrypoints.server import ServerLimits, build_app
-from encdec_engine.entrypoints.writers import render
-from encdec_engine.models.ct2_import import default_model_path
+from encdec_engine.cli.main import build_parser
+from encdec_engine.server.app import ServerLimits, build_app
+from encdec_engine.speech.writers import render
+from encdec_engine.checkpoints.ct2_import import default_model_path
 from encdec_engine.speech.offline import transcribe_offline
 from encdec_engine.speech.options import TranscribeOptions
 
@@ -206,7 +206,7 @@ def test_transcription_chunking_strategy_auto(whisper_server, tmp_path):
     """OpenAI's chunking_strategy="auto": the chunks of a 45 s upload run at once, as LLM.transcribe(chunked=True)."""
     import soundfile
 
-    from encdec_engine.speech.audio import load_audio
+    from encdec_engine.inputs.audio import load_audio
 
     clip = tmp_path / "meeting45.wav"
     soundfile.write(clip, load_audio(AUDIO / "long_meeting.flac")[: 45 * 16000], 16000, subtype="PCM_16")
@@ -442,13 +442,13 @@ def test_retrieve_model(bart_server):
 
 
 def test_metric_samples_are_exact():
-    from encdec_engine.entrypoints.server_metrics import _number
+    from encdec_engine.server.metrics import _number
 
     assert [_number(v) for v in (1234567, 1234567.0, 0.25, 3.0000001)] == ["1234567", "1234567", "0.25", "3.0000001"]
 
 
 def test_translations_report_english():
-    from encdec_engine.entrypoints.protocol import verbose_transcription
+    from encdec_engine.server.protocol import verbose_transcription
     from encdec_engine.speech.results import Transcription
 
     t = Transcription(text=" Hello.", language="fr", segments=[], duration=1.0)
@@ -576,7 +576,7 @@ def _two_windows() -> bytes:
     import numpy as np
     import soundfile
 
-    from encdec_engine.speech.audio import load_audio
+    from encdec_engine.inputs.audio import load_audio
 
     silence = np.zeros(30 * 16000, dtype=np.float32)
     buffer = io.BytesIO()
@@ -703,7 +703,7 @@ def test_serve_command_defaults():
 
 
 def test_top_logprobs_rank_likeliest_first_and_keep_it_on_equal_text():
-    from encdec_engine.entrypoints.protocol import completion_logprobs
+    from encdec_engine.server.protocol import completion_logprobs
 
     pieces = {1: "a", 2: "\ufffd", 3: "\ufffd", 4: "b"}
     lp = completion_logprobs([2], [{2: -0.1, 3: -5.0, 4: -2.0, 1: -3.0}], pieces.__getitem__)
@@ -778,7 +778,7 @@ def test_a_long_upload_is_refused_from_its_header_before_decoding(whisper_server
     reads in the header, nothing decoded. An ffmpeg-only container (m4a) and a libsndfile one (ogg)."""
     import subprocess
 
-    from encdec_engine.entrypoints.server_uploads import UploadedAudio
+    from encdec_engine.server.uploads import UploadedAudio
 
     decoded = []
     monkeypatch.setattr(UploadedAudio, "decode", lambda self: decoded.append(self.name))

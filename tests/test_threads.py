@@ -54,7 +54,7 @@ def test_threads_must_be_positive():
 def test_server_logs_model_device_dtype_threads_and_kv_pool(tmp_path, monkeypatch, caplog):
     import uvicorn
 
-    from encdec_engine.entrypoints.server import run_server
+    from encdec_engine.server.app import run_server
 
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, *args, **kwargs: None)  # start up, serve nothing
     path = make_whisper(tmp_path / "whisper", "tiny-80")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from encdec_engine.entrypoints.protocol import TranscriptionRequest
+from encdec_engine.server.protocol import TranscriptionRequest
 from encdec_engine.speech.job import TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.requests import WindowRequests
@@ -17,7 +17,7 @@ AUDIO = Path(__file__).resolve().parents[1] / "prompts" / "audio"
 
 @pytest.fixture(scope="module")
 def tiny_en(make_llm):
-    from encdec_engine.models.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2_import import default_model_path
 
     return make_llm(default_model_path())
 

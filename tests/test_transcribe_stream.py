@@ -107,7 +107,7 @@ def previous_text(llm, options: TranscribeOptions, job: TranscriptionJob) -> lis
 
 
 def _tokens(llm):
-    from encdec_engine.models.whisper_tokens import WhisperTokens
+    from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
 
     return WhisperTokens.from_configs(llm.engine.hf_config, llm.engine.generation_config)
 

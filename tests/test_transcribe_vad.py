@@ -10,7 +10,7 @@ import pytest
 from helpers import norm, record_adds, record_requests
 from vad_audio import CLIPS, Recording, fixtures, recording, silence
 
-from encdec_engine.speech.audio import SAMPLE_RATE
+from encdec_engine.inputs.audio import SAMPLE_RATE
 
 TOLERANCE = 0.3  # seconds: a segment or word may run this far past the speech it belongs to
 STEP = 0.02  # seconds: Whisper's time resolution (timestamp tokens, alignment frames)
@@ -19,7 +19,7 @@ MODES = {"sequential": dict(vad_filter=True), "chunked": dict(vad_filter=True, c
 
 @pytest.fixture(scope="module")
 def tiny_en(make_llm):
-    from encdec_engine.models.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2_import import default_model_path
 
     return make_llm(default_model_path())
 

@@ -39,7 +39,7 @@ from helpers import naive_attention as naive  # noqa: E402
 
 from encdec_engine.attention.backends.base import store_kv  # noqa: E402
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
-from encdec_engine.attention.kv_quant import dequantize_kv, quantize_kv, row_width  # noqa: E402
+from encdec_engine.quantization.kv_int8 import dequantize_kv, quantize_kv, row_width  # noqa: E402
 from encdec_engine.attention.metadata import AttentionMetadata  # noqa: E402
 from encdec_engine.attention.ops import kv_store, paged_attention  # noqa: E402
 from encdec_engine.worker.input_prep import pad_rows  # noqa: E402

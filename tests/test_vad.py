@@ -10,7 +10,7 @@ import pytest
 import torch
 from vad_audio import AUDIO, CLIPS, clip, fixtures, recording, silence, tone, white_noise
 
-from encdec_engine.speech.audio import SAMPLE_RATE
+from encdec_engine.inputs.audio import SAMPLE_RATE
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.results import Segment, Word
 from encdec_engine.speech.timeline import SpeechTimeline

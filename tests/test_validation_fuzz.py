@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from encdec_engine import SamplingParams
-from encdec_engine.entrypoints.protocol import CompletionRequest, describe_validation_errors, parse_prompts
+from encdec_engine.server.protocol import CompletionRequest, describe_validation_errors, parse_prompts
 from encdec_engine.inputs.prompts import parse_prompt
 
 SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.integers(-3, 40)

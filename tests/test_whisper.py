@@ -11,9 +11,9 @@ from helpers import make_whisper, norm, record_requests
 from transformers import WhisperForConditionalGeneration
 
 from encdec_engine import SamplingParams
-from encdec_engine.speech.audio import load_audio
-from encdec_engine.speech.features import log_mel_spectrogram
-from encdec_engine.models.ct2_import import default_model_path
+from encdec_engine.inputs.audio import load_audio
+from encdec_engine.inputs.features import log_mel_spectrogram
+from encdec_engine.checkpoints.ct2_import import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 AUDIO = ROOT / "prompts" / "audio"
@@ -295,7 +295,7 @@ def hf_no_speech_prob(model, features: torch.Tensor, prompt: list[int], sot_inde
 
 
 def test_no_speech_prob_matches_hf_logits_also_over_cached_prefixes(tiny_en, hf_tiny_en):
-    from encdec_engine.models.whisper_tokens import WhisperTokens
+    from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
 
     engine = tiny_en.engine
     tokens = WhisperTokens.from_configs(engine.hf_config, engine.generation_config)
@@ -346,7 +346,7 @@ def test_transcripts_report_no_speech_and_skip_silent_windows(tiny_en, hf_tiny_e
 
 
 def test_language_may_be_a_code_token_or_name_in_any_case():
-    from encdec_engine.models.whisper_tokens import WhisperTokens, language_code
+    from encdec_engine.checkpoints.whisper_tokens import WhisperTokens, language_code
 
     assert [language_code(x) for x in ("EN", "English", "<|fr|>", " de ", "castilian")] == ["en", "en", "fr", "de", "es"]
     english_only = WhisperTokens(sot=1, eot=0, no_timestamps=9, sot_prev=None, is_multilingual=False)
@@ -366,7 +366,7 @@ def test_query_scaling_folds_into_the_projection_bit_for_bit(head_dim, folds):
 
     from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
     from encdec_engine.attention.metadata import AttentionMetadata, AttentionType, AttentionView
-    from encdec_engine.layers.int8_linear import quantize_linears
+    from encdec_engine.quantization.int8_weights import quantize_linears
     from encdec_engine.models.encdec_layers import EncDecAttention
 
     torch.manual_seed(0)

@@ -24,13 +24,13 @@ from transformers.audio_utils import mel_filter_bank as hf_mel_filter_bank
 from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
 
 from encdec_engine.engine.loader import read_model_config
-from encdec_engine.models import whisper_languages
-from encdec_engine.models.ct2_import import default_model_path
-from encdec_engine.models.generation_config import GENERATION_FIELDS, load_generation_config
-from encdec_engine.models.model_config import WHISPER_ALIASES, WHISPER_DEFAULTS, ModelConfig
-from encdec_engine.models.tokenizer_files import load_tokenizer
-from encdec_engine.models.whisper_tokenizer import WhisperTextTokenizer, read_whisper_tokenizer
-from encdec_engine.speech.features import mel_filter_bank
+from encdec_engine.checkpoints import whisper_languages
+from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.generation_config import GENERATION_FIELDS, load_generation_config
+from encdec_engine.checkpoints.model_config import WHISPER_ALIASES, WHISPER_DEFAULTS, ModelConfig
+from encdec_engine.checkpoints.tokenizer_files import load_tokenizer
+from encdec_engine.checkpoints.whisper_tokenizer import WhisperTextTokenizer, read_whisper_tokenizer
+from encdec_engine.inputs.features import mel_filter_bank
 
 TEXTS = ["Hello world.", " Hello world.", "  spaced  out ", "ÀÉÎ ünïcödé — “quotes” 日本語", "don't won't I'm",
          "<|endoftext|> in text", "Numbers 1,234.56 and $7", ""]
@@ -320,7 +320,7 @@ def test_transcription_never_imports_transformers(tmp_path, tiny_en_files):
     script = ("import atexit, sys\n"
               "atexit.register(lambda: print('IMPORTED', sorted(m for m in sys.modules if m.split('.')[0] == "
               "'transformers')[:3], file=sys.stderr))\n"
-              "from encdec_engine.entrypoints.cli import main\n"
+              "from encdec_engine.cli.main import main\n"
               f"sys.argv = ['encdec', 'transcribe', {str(ROOT / 'prompts/audio/weather.wav')!r}, '-o', "
               f"{str(tmp_path)!r}, '-f', 'txt']\n"
               "main()\n")

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 from transformers import WhisperForConditionalGeneration
 
 from encdec_engine import SamplingParams
-from encdec_engine.speech.audio import load_audio
-from encdec_engine.speech.features import log_mel_spectrogram
+from encdec_engine.inputs.audio import load_audio
+from encdec_engine.inputs.features import log_mel_spectrogram
 
 SUPPRESSED, BEGIN_SUPPRESSED = 14, 220  # "/" in suppress_tokens, " " in begin_suppress_tokens (tiny.en's)
 

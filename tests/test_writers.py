@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from encdec_engine.entrypoints.writers import (
+from encdec_engine.speech.writers import (
     OUTPUT_FORMATS,
     SubtitleOptions,
     format_timestamp,

@@ -11,7 +11,7 @@ from pathlib import Path
 import librosa
 import numpy as np
 
-from encdec_engine.speech.audio import SAMPLE_RATE, load_audio
+from encdec_engine.inputs.audio import SAMPLE_RATE, load_audio
 
 AUDIO = Path(__file__).resolve().parent.parent / "prompts" / "audio"
 TRANSCRIPTS = json.loads((AUDIO / "transcripts.json").read_text())

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encdec_engine.attention.kv_quant import read_rows
+from encdec_engine.quantization.kv_int8 import read_rows
 
 
 @dataclass

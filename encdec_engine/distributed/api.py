@@ -17,7 +17,11 @@ from encdec_engine.distributed.cluster import ClusterOptions
 from encdec_engine.distributed.inputs import audio_inputs, prompt_inputs, text_inputs
 from encdec_engine.distributed.jobs import Job, Outputs, run
 from encdec_engine.distributed.results import Row
+from encdec_engine.checkpoints.names import resolve_job_model
 from encdec_engine.inputs.documents import MAX_DOCUMENT_BYTES
+from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.results import Segment, Transcription, Word
+from encdec_engine.speech.writers import OUTPUT_FORMATS, write_transcription
 
 # A worker holds about 350 MB per hour of audio it transcribes; longer inputs are refused (an error row,
 # from the header before decoding) unless max_audio_seconds says otherwise (None: no limit).
@@ -37,9 +41,6 @@ def transcribe(audio: str | Iterable[str] = (), model: str | None = None, *, man
     are written) is the JSONL of rows; `resume` skips inputs whose row and files are complete.
     `options` are TranscribeOptions fields, checked before the cluster starts; `max_audio_seconds`
     defaults to `MAX_AUDIO_SECONDS` here."""
-    from encdec_engine.entrypoints.writers import OUTPUT_FORMATS, write_transcription
-    from encdec_engine.speech.options import TranscribeOptions
-
     options.setdefault("max_audio_seconds", MAX_AUDIO_SECONDS)
     TranscribeOptions(language=language, task=task, **options)  # bad values fail before any work
     inputs = audio_inputs([audio] if isinstance(audio, str) else audio, manifest)
@@ -63,7 +64,7 @@ def transcribe(audio: str | Iterable[str] = (), model: str | None = None, *, man
         name = output.get(row["id"])
         return fmt is None or (name is not None and all((out_dir / f"{name}.{f}").is_file() for f in formats))
 
-    job = Job("transcribe", inputs, _local_model(model, address), engine or {},
+    job = Job("transcribe", inputs, local_model(model, address), engine or {},
               dict(language=language, task=task, **options), batch_size)
     outputs = Outputs(_str(results), resume, write, complete, progress, unit="file")
     return _finish(job, _cluster(address, num_workers, threads_per_worker), outputs, stream)
@@ -80,7 +81,7 @@ def summarize(files: str | Iterable[str] = (), model: str | None = None, *, mani
     if model is None:
         raise ValueError("summarize needs a model (a BART checkpoint folder)")
     inputs = text_inputs([files] if isinstance(files, str) else files, manifest)
-    job = Job("summarize", inputs, _local_model(model, address), engine or {}, overrides, batch_size,
+    job = Job("summarize", inputs, local_model(model, address), engine or {}, overrides, batch_size,
               limits={"max_document_bytes": max_document_bytes})
     return _finish(job, _cluster(address, num_workers, threads_per_worker),
                    Outputs(_str(results), resume, progress=progress), stream)
@@ -94,7 +95,7 @@ def generate(prompt_file: str | Path, model: str | None = None, *, results: str 
     line's "sampling_params" override them); rows have request_id, text, token_ids, finish_reason, error."""
     if model is None:
         raise ValueError("generate needs a model (a checkpoint folder)")
-    job = Job("generate", prompt_inputs(prompt_file, params), _local_model(model, address), engine or {}, {},
+    job = Job("generate", prompt_inputs(prompt_file, params), local_model(model, address), engine or {}, {},
               batch_size)
     return _finish(job, _cluster(address, num_workers, threads_per_worker),
                    Outputs(_str(results), resume, progress=progress, unit="prompt"), stream)
@@ -102,8 +103,6 @@ def generate(prompt_file: str | Path, model: str | None = None, *, results: str 
 
 def transcription_from_row(row: Row):
     """The Transcription a transcribe row holds (what `write_transcription` renders)."""
-    from encdec_engine.speech.results import Segment, Transcription, Word
-
     segments = []
     for s in row["segments"]:
         fields = {k: v for k, v in s.items() if k != "words"}
@@ -112,16 +111,14 @@ def transcription_from_row(row: Row):
     return Transcription(row["text"], row["language"], segments, row["duration"], row["path"], row["error"])
 
 
-def _local_model(model: str | None, address: str | None) -> str | None:
+def local_model(model: str | None, address: str | None) -> str | None:
     """The model folder, checked here when the job runs on this machine: a missing folder fails before a
     cluster starts. On another cluster the workers check their own path (the driver may not have it)."""
     if model is None:
         return None
     on_this_machine = address is None and not os.environ.get("RAY_ADDRESS")
     if on_this_machine or Path(model).expanduser().is_dir():
-        from encdec_engine.distributed.workers import resolve_model
-
-        return resolve_model(model)
+        return resolve_job_model(model)
     return model
 
 

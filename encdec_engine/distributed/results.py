@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from encdec_engine.entrypoints.writers import write_atomically
+from encdec_engine.files import write_atomically
 
 Row = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """Replicated serving on Ray Serve: N engine replicas behind the OpenAI-compatible routes of one address.
 
-Each replica is the app `entrypoints/server.py` builds (`build_app`), deployed as a Serve ASGI ingress,
+Each replica is the app `server/app.py` builds (`build_app`), deployed as a Serve ASGI ingress,
 so limits, the API key, streaming, errors and graceful shutdown are the single server's, per replica.
 Serve's proxy spreads requests over the replicas; a replica whose process dies fails only the requests
 it held (the proxy answers them with a 5xx), the others take the new ones, and Serve starts a
@@ -23,10 +23,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+from encdec_engine.checkpoints.names import resolve_job_model
+from encdec_engine.distributed.api import local_model
 from encdec_engine.distributed.cluster import ClusterOptions, connect, import_ray
 from encdec_engine.distributed.metrics_merge import merge
-from encdec_engine.entrypoints.server_gate import ServerLimits
-from encdec_engine.entrypoints.server_metrics import Metrics
+from encdec_engine.server.limits import ServerLimits
+from encdec_engine.server.metrics import Metrics
 
 APP_NAME = "encdec"
 REPORT_INTERVAL_S = 1.0
@@ -102,10 +104,9 @@ class EngineReplica:
     async def __serve_build_asgi_app__(self):
         from ray import serve
 
-        from encdec_engine.distributed.workers import resolve_model
-        from encdec_engine.entrypoints.server import build_app
+        from encdec_engine.server.app import build_app  # lazy: in the replica; the driver needs no engine
 
-        app = build_app(resolve_model(self.model), limits=self.limits, served_model_name=self.served_model_name,
+        app = build_app(resolve_job_model(self.model), limits=self.limits, served_model_name=self.served_model_name,
                         shutdown_timeout=self.shutdown_timeout, **self.engine)
         self.state = app.state.server
         replica = serve.get_replica_context().replica_id.unique_id
@@ -165,11 +166,9 @@ def start(model: str | None = None, *, replicas: int = 2, address: str | None = 
           served_model_name: str | None = None, shutdown_timeout: float = 30.0, log_level: str = "warning",
           engine: dict[str, Any] | None = None) -> ReplicatedServer:
     """Deploy `replicas` engines of `model` (None: the default tiny.en) behind http://host:port."""
-    from encdec_engine.distributed.api import _local_model
-
     limits = limits or ServerLimits()
     engine = engine or {}
-    model = _local_model(model, address)
+    model = local_model(model, address)
     ray = import_ray()
     from ray import serve
 

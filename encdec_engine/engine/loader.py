@@ -13,15 +13,15 @@ from torch import nn
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
-from encdec_engine.layers.cpu_kernels import prepare_cpu_linears
+from encdec_engine.worker.cpu_kernels import prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.encdec_layers import EncDecAttention
-from encdec_engine.models.generation_config import load_generation_config
-from encdec_engine.models.model_config import read_whisper_config
-from encdec_engine.models.model_names import is_short_name, resolve_model_name
-from encdec_engine.models.tokenizer_files import load_tokenizer, tokenizer_if_any
-from encdec_engine.models.weights import iter_checkpoint, weight_files
-from encdec_engine.models.whisper_vocab import add_timestamp_tokens, complete_whisper_generation_config
+from encdec_engine.checkpoints.generation_config import load_generation_config
+from encdec_engine.checkpoints.model_config import read_whisper_config
+from encdec_engine.checkpoints.names import is_short_name, resolve_model_name
+from encdec_engine.checkpoints.tokenizer_files import load_tokenizer, tokenizer_if_any
+from encdec_engine.checkpoints.weights import iter_checkpoint, weight_files
+from encdec_engine.checkpoints.whisper_vocab import add_timestamp_tokens, complete_whisper_generation_config
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def make_backend(config: EngineConfig, device: torch.device):
     name = config.attention_backend
     if name == "xformers" or (name == "auto" and device.type == "cuda"):
         try:
-            from encdec_engine.attention.backends.xformers_backend import XFormersBackend
+            from encdec_engine.attention.backends.xformers_backend import XFormersBackend  # lazy: the gpu extra
 
             backend = XFormersBackend(config.block_size)
             logger.info("attention backend: xformers (flash prefill, Triton paged decode and KV store)")
@@ -100,7 +100,7 @@ def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def read_model_config(path: Path):
-    """The checkpoint's config: Whisper's read directly (models/model_config.py), others by `AutoConfig`."""
+    """The checkpoint's config: Whisper's read directly (checkpoints/model_config.py), others by `AutoConfig`."""
     config = read_whisper_config(path)
     if config is not None:
         return config
@@ -141,7 +141,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     for module in model.modules():
         if isinstance(module, EncDecAttention):
             module.fold_query_scaling()
-    prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (layers/cpu_kernels.py)
+    prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (worker/cpu_kernels.py)
 
     eos = hf_config.eos_token_id
     if isinstance(eos, list):

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 
-from encdec_engine.sequence import EncoderSequence
+from encdec_engine.inputs.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
+from encdec_engine.inputs.features import log_mel_spectrogram
 from encdec_engine.inputs.prompts import ParsedSingleton, PromptType, parse_prompt
 from encdec_engine.sampling_params import SamplingParams
+from encdec_engine.sequence import EncoderSequence
 
 
 @dataclass
@@ -86,11 +89,6 @@ class InputProcessor:
                                prompt=prompt.text, cache_key=content_key(ids))
 
     def _audio_encoder_sequence(self, prompt: ParsedSingleton) -> EncoderSequence:
-        import torch
-
-        from encdec_engine.speech.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
-        from encdec_engine.speech.features import log_mel_spectrogram
-
         mm = prompt.multi_modal_data or {}
         if prompt.text or prompt.token_ids:
             raise ValueError("the encoder prompt of an audio model is its audio: pass "

@@ -19,7 +19,7 @@ from encdec_engine.attention.metadata import AttentionMetadata
 from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.models.encdec_layers import EncDecLayer, decoder_kv_cache_spec
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
-from encdec_engine.models.weights import WeightLoader
+from encdec_engine.checkpoints.weights import WeightLoader
 
 _POSITION_OFFSET = 2  # BART's learned positions start at index 2
 

@@ -23,7 +23,7 @@ from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.layers.activation import get_activation
 from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec
-from encdec_engine.models.weights import WeightLoader
+from encdec_engine.checkpoints.weights import WeightLoader
 
 # HF Conv1D weights ([in, out]) that become nn.Linear weights ([out, in]).
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

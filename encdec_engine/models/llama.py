@@ -26,7 +26,7 @@ from encdec_engine.layers.activation import get_activation
 from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.layers.rotary import RotaryEmbedding, apply_rotary, default_inv_freq
 from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec
-from encdec_engine.models.weights import WeightLoader
+from encdec_engine.checkpoints.weights import WeightLoader
 
 # RoPE types whose frequencies are fixed at load; "dynamic" and "longrope" rescale with the length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")

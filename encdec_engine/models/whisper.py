@@ -21,7 +21,8 @@ from encdec_engine.attention.metadata import AttentionMetadata
 from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.models.encdec_layers import EncDecLayer, decoder_kv_cache_spec
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
-from encdec_engine.models.weights import WeightLoader
+from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
+from encdec_engine.checkpoints.weights import WeightLoader
 
 
 class WhisperEncoder(nn.Module):
@@ -92,8 +93,6 @@ class WhisperForConditionalGeneration(nn.Module):
         return self.config.max_source_positions  # every window is 30 s: 3000 frames -> 1500 positions
 
     def default_decoder_prompt(self, generation_config=None) -> list[int]:
-        from encdec_engine.models.whisper_tokens import WhisperTokens
-
         return WhisperTokens.from_configs(self.config, generation_config).decoder_prompt()
 
     def float_linears_under_int8(self) -> list[nn.Module]:

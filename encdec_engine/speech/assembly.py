@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from encdec_engine.models.whisper_tokens import TIME_PRECISION, WhisperTokens
+from encdec_engine.checkpoints.whisper_tokens import TIME_PRECISION, WhisperTokens
 from encdec_engine.outputs import RequestOutput
-from encdec_engine.speech.audio import FRAMES_PER_SECOND, INPUT_STRIDE
+from encdec_engine.inputs.audio import FRAMES_PER_SECOND, INPUT_STRIDE
 from encdec_engine.speech.fallback import WindowQuality, compression_ratio
 from encdec_engine.speech.hallucinations import cut_hallucinations
 from encdec_engine.speech.job import DecodedWindow, TranscriptionJob

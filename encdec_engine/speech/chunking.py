@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from encdec_engine.speech.audio import FRAMES_PER_SECOND, N_FRAMES
+from encdec_engine.inputs.audio import FRAMES_PER_SECOND, N_FRAMES
 
 SEARCH_SECONDS = 10  # a cut falls in the last 10 s of a 30 s window
 SMOOTH_FRAMES = 20  # 200 ms: a pause, not a single quiet frame between syllables

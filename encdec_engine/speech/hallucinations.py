@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from encdec_engine.speech.audio import FRAMES_PER_SECOND, N_FRAMES
+from encdec_engine.inputs.audio import FRAMES_PER_SECOND, N_FRAMES
 from encdec_engine.speech.results import Segment, Word
 from encdec_engine.speech.word_timestamps import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS, speech_end
 

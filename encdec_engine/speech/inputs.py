@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from encdec_engine.speech.audio import SAMPLE_RATE, read_header
+from encdec_engine.inputs.audio import SAMPLE_RATE, read_header
 from encdec_engine.speech.job import TranscriptionJob
 
 LOADED_SECONDS = 1800.0  # audio held at once, in seconds (about 170 MB); at least one input whatever its length

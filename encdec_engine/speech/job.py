@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from encdec_engine.speech.audio import HOP_LENGTH, SAMPLE_RATE
+from encdec_engine.inputs.audio import HOP_LENGTH, SAMPLE_RATE
 from encdec_engine.speech.results import Segment
 from encdec_engine.speech.timeline import SpeechTimeline
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from encdec_engine.speech.assembly import ResultAssembler
-from encdec_engine.speech.audio import FRAMES_PER_SECOND, audio_inputs
+from encdec_engine.inputs.audio import FRAMES_PER_SECOND, audio_inputs
 from encdec_engine.speech.inputs import InputQueue
 from encdec_engine.speech.job import TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from encdec_engine.speech.audio import HOP_LENGTH, SAMPLE_RATE
+from encdec_engine.inputs.audio import HOP_LENGTH, SAMPLE_RATE
 from encdec_engine.speech.results import Segment
 
 JOIN_SNAP_SECONDS = 1.0  # how far Whisper's segment boundaries miss a pause, at most (seconds)

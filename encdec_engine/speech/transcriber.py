@@ -23,7 +23,7 @@ is known, a chunked input splits into its chunk jobs, which then run at once.
 
 from __future__ import annotations
 
-from encdec_engine.models.whisper_tokens import WhisperTokens, language_code
+from encdec_engine.checkpoints.whisper_tokens import WhisperTokens, language_code
 from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.speech.assembly import ResultAssembler

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from encdec_engine.speech.audio import SAMPLE_RATE
+from encdec_engine.inputs.audio import SAMPLE_RATE
 from encdec_engine.speech.vad_options import VadOptions
 
 FRAME_SAMPLES = 512  # samples per Silero frame at 16 kHz (32 ms)

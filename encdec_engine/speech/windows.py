@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from encdec_engine.speech.audio import FRAMES_PER_SECOND, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
+from encdec_engine.inputs.audio import FRAMES_PER_SECOND, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
 from encdec_engine.speech.chunking import frame_loudness, quiet_cuts
-from encdec_engine.speech.features import log_mel_spectrogram, long_log_mel_spectrogram
+from encdec_engine.inputs.features import log_mel_spectrogram, long_log_mel_spectrogram
 from encdec_engine.speech.job import TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.timeline import SpeechTimeline

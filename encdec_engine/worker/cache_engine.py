@@ -3,7 +3,7 @@
     kv_caches[layer]: [2 (k, v), num_blocks + 1, block_size, num_kv_heads, row_width]
 
 row_width is head_dim, or for an int8 cache the int8 values and their scales
-(attention/kv_quant.py), so every block move carries the scales with the values.
+(quantization/kv_int8.py), so every block move carries the scales with the values.
 
 Block 0 is the padding block (zero, never handed out). The optional swap pool
 has the same layout in CPU memory; the cache engine carries out the block
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from encdec_engine.attention.kv_quant import row_width
+from encdec_engine.quantization.kv_int8 import row_width
 from encdec_engine.models.interface import KVCacheSpec
 
 

@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from encdec_engine.attention.kv_quant import KV_QUANT_GROUP, tokens_ratio
+from encdec_engine.quantization.kv_int8 import KV_QUANT_GROUP, tokens_ratio
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
 from encdec_engine.worker.cache_engine import bytes_per_block

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from encdec_engine.attention.kv_quant import write_rows
+from encdec_engine.quantization.kv_int8 import write_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
 
@@ -39,7 +39,7 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [num_kv_tokens] int64
 ) -> None:
     """Write K/V into their cache slots (slot = block * block_size + offset), quantized for an
-    int8 cache (row_width then holds the values and their scales, attention/kv_quant.py)."""
+    int8 cache (row_width then holds the values and their scales, quantization/kv_int8.py)."""
     _, _, _, num_kv_heads, width = kv_cache.shape
     kv_cache[0].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, write_rows(key, kv_cache.dtype))
     kv_cache[1].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, write_rows(value, kv_cache.dtype))

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from encdec_engine.attention.backends.base import store_kv
-from encdec_engine.attention.kv_quant import as_stored, attend_int8_rows, num_groups, read_rows
+from encdec_engine.quantization.kv_int8 import as_stored, attend_int8_rows, num_groups, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
 _SLICE_MIN_KEYS = 128  # below this, one padded gather beats a loop over sequences (a lone one reads in place)

@@ -29,7 +29,7 @@ import torch
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend, plan_gather
 from encdec_engine.attention.backends.xformers_masks import prefill_attn_bias
-from encdec_engine.attention.kv_quant import as_stored, read_rows
+from encdec_engine.quantization.kv_int8 import as_stored, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class XFormersBackend:
             from xformers.ops.fmha import flash
             from xformers.ops.fmha.common import Inputs
 
-            from encdec_engine.attention.ops import kv_store, paged_attention
+            from encdec_engine.attention.ops import kv_store, paged_attention  # lazy: triton, the gpu extra
         except ImportError as e:
             raise BackendUnavailableError(f"the xformers attention backend needs xformers and triton: {e}") from e
         self.block_size = block_size

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from encdec_engine.attention.kv_quant import KV_INT8_MAX, KV_QUANT_GROUP, num_groups, row_width, scale_offset
+from encdec_engine.quantization.kv_int8 import KV_INT8_MAX, KV_QUANT_GROUP, num_groups, row_width, scale_offset
 
 
 @triton.jit

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from encdec_engine.attention.kv_quant import KV_QUANT_GROUP, row_width, scale_offset
+from encdec_engine.quantization.kv_int8 import KV_QUANT_GROUP, row_width, scale_offset
 from encdec_engine.attention.ops.kv_store import int8_scale_views
 
 TILE_N = 32  # keys per inner-loop step

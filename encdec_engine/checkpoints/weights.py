@@ -1,0 +1,156 @@
+"""Reading Hugging Face checkpoints (safetensors or .bin) into our modules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from encdec_engine.checkpoints.json_files import read_json
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The checkpoint's weight files: safetensors when there are any, else PyTorch `.bin`; one file,
+    or the shards an index (`model.safetensors.index.json`, `pytorch_model.bin.index.json`) names."""
+    folder = Path(folder)
+    files = _weight_files(folder, "model.safetensors", ".safetensors") or _weight_files(folder, "pytorch_model.bin",
+                                                                                        ".bin")
+    if not files:
+        raise FileNotFoundError(f"{folder}: no weights (model.safetensors, pytorch_model.bin, or shards with "
+                                "their .index.json)")
+    return files
+
+
+def iter_checkpoint(folder: str | Path, files: list[Path] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every weight of a checkpoint folder (or of its `files`), in the file's dtype."""
+    for file in files or weight_files(folder):
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def _weight_files(folder: Path, single: str, suffix: str) -> list[Path]:
+    if (folder / single).is_file():
+        return [folder / single]
+    index = folder / f"{single}.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map (tensor name -> shard file)")
+        shards = [folder / s for s in sorted(set(weight_map.values()))]
+        missing = [s.name for s in shards if not s.is_file()]
+        if missing:
+            raise ValueError(f"{index}: weight_map names shard files that are not there: {', '.join(missing)}")
+        return shards
+    return sorted(p for p in folder.glob(f"*{suffix}") if p.is_file())
+
+
+# HF attention projections and the fused weights we keep instead: name part -> (fused part, shard, shards)
+_FUSED = {
+    "self_attn.q_proj.": ("self_attn.qkv_proj.", 0, 3),
+    "self_attn.k_proj.": ("self_attn.qkv_proj.", 1, 3),
+    "self_attn.v_proj.": ("self_attn.qkv_proj.", 2, 3),
+    "encoder_attn.k_proj.": ("encoder_attn.kv_proj.", 0, 2),
+    "encoder_attn.v_proj.": ("encoder_attn.kv_proj.", 1, 2),
+}
+
+
+class WeightLoader:
+    """Copies checkpoint tensors into a module's parameters and buffers, strictly.
+
+    Every parameter must be loaded (bar `optional` ones) and every checkpoint
+    tensor must land somewhere, so a wrong mapping fails loudly instead of
+    leaving random weights behind.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.targets = dict(module.named_parameters()) | dict(module.named_buffers())
+        self.loaded: set[str] = set()
+        self.shards: dict[str, set[int]] = {}
+        self.aliases: dict[str, str] = {}
+        self.unexpected: list[str] = []
+        self.ignored: set[str] = set()
+
+    def alias(self, name: str, target: str) -> None:
+        """Checkpoint tensor `name` holds the same weight as our `target` (tied weights)."""
+        self.aliases[name] = target
+
+    def ignore(self, name: str) -> None:
+        """Checkpoint tensor `name` is known and deliberately unused."""
+        self.ignored.add(name)
+
+    def _target(self, name: str, shape: torch.Size) -> torch.Tensor | None:
+        if name in self.ignored:
+            return None
+        name = self.aliases.get(name, name)
+        target = self.targets.get(name)
+        if target is None:
+            self.unexpected.append(name)
+        return target
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        target = self._target(name, tensor.shape)
+        if target is None:
+            return
+        if target.shape != tensor.shape:
+            raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+        key = self.aliases.get(name, name)
+        with torch.no_grad():
+            # Tied weights saved twice must agree; different ones mean the config wrongly ties them.
+            if key in self.loaded and not torch.equal(target, tensor.to(target.dtype)):
+                raise ValueError(f"weight {name} differs from {key}, which the config ties it to "
+                                 "(tie_word_embeddings); the checkpoint's output head is untied")
+            target.copy_(tensor)
+        self.loaded.add(key)
+
+    def load_shard(self, name: str, tensor: torch.Tensor, shard: int, num_shards: int) -> None:
+        """Load one of `num_shards` equal row blocks of a fused weight (e.g. q of qkv)."""
+        target = self._target(name, tensor.shape)
+        if target is None:
+            return
+        rows = target.shape[0] // num_shards
+        if tensor.shape != (rows, *target.shape[1:]):
+            raise ValueError(f"weight {name} shard {shard}: shape {tuple(tensor.shape)} does not fit {tuple(target.shape)}")
+        with torch.no_grad():
+            target[shard * rows : (shard + 1) * rows].copy_(tensor)
+        done = self.shards.setdefault(name, set())
+        done.add(shard)
+        if len(done) == num_shards:
+            self.loaded.add(name)
+
+    def load_attention(self, name: str, tensor: torch.Tensor) -> None:
+        """Load one tensor, routing HF's separate q/k/v projections into our fused ones."""
+        for part, (fused, shard, shards) in _FUSED.items():
+            if part in name:
+                self.load_shard(name.replace(part, fused), tensor, shard, shards)
+                return
+        self.load(name, tensor)
+
+    def zero_missing_bias_shards(self) -> None:
+        """HF's k projections have no bias: their share of a fused bias is zero."""
+        for name, target in self.targets.items():
+            if not name.endswith("_proj.bias") or name in self.loaded or name not in self.shards:
+                continue
+            shards = 3 if "qkv_proj" in name else 2
+            rows = target.shape[0] // shards
+            with torch.no_grad():
+                for shard in set(range(shards)) - self.shards[name]:
+                    target[shard * rows : (shard + 1) * rows].zero_()
+            self.loaded.add(name)
+
+    def finish(self, optional: set[str] = frozenset()) -> None:
+        missing = sorted(set(self.targets) - self.loaded - set(optional))
+        problems = []
+        if missing:
+            problems.append(f"missing weights: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+        if self.unexpected:
+            problems.append(f"unexpected weights: {', '.join(self.unexpected[:10])}")
+        if problems:
+            raise ValueError("checkpoint does not match the model: " + "; ".join(problems))

@@ -1,0 +1,189 @@
+"""Argument plumbing shared by the `encdec` commands: value types, the help layout, openai-whisper's
+spellings, and the engine options every command takes.
+
+Nothing here imports torch or the engine: `encdec --help` and argument errors stay instant.
+
+openai-whisper's CLI spells flags with underscores and gives booleans a value (`--word_timestamps
+True`). Both are accepted: `normalize_argv` rewrites `--word_timestamps True` to `--word-timestamps`
+and `--condition_on_previous_text False` to `--no-condition-on-previous-text` before argparse runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from encdec_engine.checkpoints.names import is_short_name, resolve_model_name
+
+_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def str2bool(value: str) -> bool:
+    """openai-whisper's True/False (any case; yes/no and 1/0 too)."""
+    if value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    raise argparse.ArgumentTypeError(f"expected True or False, got {value!r}")
+
+
+def optional_float(value: str) -> float | None:
+    """A number, or none / None (openai-whisper's spelling) for "off"."""
+    return None if value.lower() == "none" else float(value)
+
+
+def optional_int(value: str) -> int | None:
+    return None if value.lower() == "none" else int(value)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help: "(default: X)" unless the help says it already; a default
+    of None or False is written out in the help text itself, where it needs words ("detect")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if "default" in text or unset or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _subparser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser | None:
+    command = next((a for a in argv if not a.startswith("-")), None)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(command)
+    return None
+
+
+def normalize_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """openai-whisper's spellings -> ours: `--output_dir` -> `--output-dir` (any flag), and a boolean
+    flag with a value (`--fp16 False`, `--verbose=True`) -> the bare flag or its `--no-` form."""
+    sub = _subparser(parser, argv)
+    if sub is None:
+        return argv
+    actions = {s: a for a in sub._actions for s in a.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token == "--":  # the rest are positional
+            out += argv[i - 1:]
+            break
+        if not token.startswith("--"):
+            out.append(token)
+            continue
+        name, eq, value = token.partition("=")
+        dashed = name.replace("_", "-")
+        if name not in actions and dashed in actions:
+            name = dashed
+        action = actions.get(name)
+        negatable = isinstance(action, argparse.BooleanOptionalAction)
+        if not (negatable or isinstance(action, argparse._StoreTrueAction)):
+            out.append(name + eq + value)
+            continue
+        if not eq and i < len(argv) and argv[i].lower() in _TRUE + _FALSE:
+            value, i = argv[i], i + 1
+        try:
+            on = str2bool(value) if value else True
+        except argparse.ArgumentTypeError as e:
+            sub.error(f"argument {name}: {e}")
+        if negatable and name.startswith("--no-"):  # --no-fp16 False: fp16 on
+            name, on = "--" + name.removeprefix("--no-"), not on
+        if on:
+            out.append(name)
+        elif negatable:
+            out.append("--no-" + name.removeprefix("--"))
+        # a store_true flag given False: its default
+    return out
+
+
+def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
+    """The model and the EngineConfig options every command takes (see engine_kwargs)."""
+    if default_model is None:
+        p.add_argument("--model", required=True, help="checkpoint folder, hub id (when online), or a Whisper name "
+                                                      "(tiny.en, base, ..., turbo) found offline")
+    else:
+        p.add_argument("--model", default=default_model,
+                       help="checkpoint folder, hub id (when online), or a Whisper name (tiny.en, base, small, medium, "
+                            "large-v1/v2/v3, turbo, and .en variants) already on this machine; tiny.en is bundled")
+    p.add_argument("--model-dir", default=None,
+                   help="where Whisper names are looked up and tiny.en is imported (default: $ENCDEC_CACHE, else "
+                        "~/.cache/encdec-engine; without it the checkout's models/ folder is searched first)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache type; auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads; 0: $OMP_NUM_THREADS when set, else the cores this process may use")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one engine step")
+    p.add_argument("--kv-cache-space-gb", type=float, default=None,
+                   help="KV pool size in GiB (default: 2 on CPU; on CUDA what --gpu-memory-utilization leaves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: share of the device for weights, activations and the KV pool")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode eagerly, without CUDA graphs")
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="CPU: int8 weights with per-channel scales for every linear")
+    p.add_argument("--compute-type", default=None,
+                   help="faster-whisper's spelling: int8 (or int8_float32) = --quantization int8, float32")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                   help="int8: KV cache rows quantized with per-group scales (about 4x the tokens of fp32)")
+
+
+# faster-whisper's --compute_type values the engine runs, as (quantization, dtype)
+_COMPUTE_TYPES = {"int8": ("int8", "float32"), "int8_float32": ("int8", "float32"), "float32": (None, "float32"),
+                  "default": (None, None), "auto": (None, None)}
+
+
+def _quantization_and_dtype(args: argparse.Namespace) -> tuple[str | None, str]:
+    """--quantization/--dtype with faster-whisper's --compute-type folded in (contradictions refused)."""
+    quantization, dtype = args.quantization, args.dtype
+    if args.compute_type is not None:
+        if args.compute_type not in _COMPUTE_TYPES:
+            raise ValueError(f"--compute-type {args.compute_type}: the engine runs {', '.join(_COMPUTE_TYPES)}; "
+                             "half precision is --dtype bfloat16/float16")
+        quantization_ct, dtype_ct = _COMPUTE_TYPES[args.compute_type]
+        if quantization and quantization_ct != quantization:
+            raise ValueError(f"--compute-type {args.compute_type} contradicts --quantization {quantization}")
+        quantization = quantization or quantization_ct
+        dtype = dtype_ct if dtype_ct and dtype == "auto" else dtype
+    return quantization, dtype
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Engine option values refused before anything loads."""
+    if args.threads < 0:
+        raise ValueError(f"--threads must be 0 (the default count) or more, got {args.threads}")
+    _quantization_and_dtype(args)
+    if args.model_dir is not None and os.path.exists(args.model_dir) and not os.path.isdir(args.model_dir):
+        raise ValueError(f"--model-dir {args.model_dir} exists and is not a directory")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields every command takes (see add_engine_args)."""
+    quantization, dtype = _quantization_and_dtype(args)
+    return dict(dtype=dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                kv_cache_space_gb=args.kv_cache_space_gb, gpu_memory_utilization=args.gpu_memory_utilization,
+                enforce_eager=args.enforce_eager, threads=args.threads or None, quantization=quantization,
+                kv_cache_dtype=args.kv_cache_dtype)
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """The checkpoint folder `--model` names: a folder as given (a CTranslate2 / faster-whisper one
+    imported once into the engine's cache), a Whisper name found offline, or a hub id as given."""
+    model = args.model
+    if Path(model).expanduser().is_dir():
+        from encdec_engine.checkpoints.ct2_import import cached_import, is_ct2_model_dir  # lazy: torch (0.9 s)
+
+        if is_ct2_model_dir(model):
+            return str(cached_import(model, args.model_dir))
+        return model
+    if is_short_name(model):
+        return str(resolve_model_name(model, args.model_dir))
+    return model
+
+
+def error(message: str) -> None:
+    """One line on stderr, as every refusal of the CLI is written."""
+    print(f"error: {message}", file=sys.stderr)

@@ -1,0 +1,77 @@
+"""`encdec serve`: its flags, the ServerLimits and engine fields they set, and running the server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from encdec_engine.checkpoints.names import DEFAULT_MODEL
+from encdec_engine.cli.args import HelpFormatter, add_engine_args, check_engine_args, engine_kwargs, resolve_model
+
+
+def cmd_serve(args) -> int:
+    from encdec_engine.server.app import run_server  # lazy: FastAPI and the engine (1.5 s)
+
+    check_engine_args(args)
+    model = resolve_model(args)
+    run_server(model, host=args.host, port=args.port, limits=server_limits(args),
+               served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
+               log_level=args.log_level, **server_engine_kwargs(args))
+    return 0
+
+
+def server_limits(args):
+    """The ServerLimits the serve flags set (of the one server, or of each replica on Ray)."""
+    from encdec_engine.server.limits import ServerLimits  # lazy: the server's modules (1.5 s)
+
+    return ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
+                        max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
+                        max_audio_seconds=args.max_audio_seconds, max_audio_memory_mb=args.max_audio_memory_mb,
+                        max_client_audio_mb=args.max_client_audio_mb, min_body_kb_per_s=args.min_body_kb_per_s,
+                        body_grace_s=args.body_grace_s, max_request_tokens=args.max_request_tokens,
+                        protect_info=args.protect_info)
+
+
+def server_engine_kwargs(args) -> dict:
+    return dict(engine_kwargs(args), swap_space_gb=args.swap_space_gb,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
+
+
+def add_serve_parser(sub) -> None:
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (transcriptions or completions)",
+                        formatter_class=HelpFormatter)
+    add_engine_args(sv, default_model=DEFAULT_MODEL)
+    sv.add_argument("--swap-space-gb", type=float, default=0.0, help="CPU swap pool for preempted requests")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="prefill tokens in one step (default: the model's encoder + decoder lengths, at least 16384)")
+    sv.add_argument("--max-model-len", type=int, default=None, help="decoder positions (default: the model's)")
+    sv.add_argument("--seed", type=int, default=0, help="for unseeded sampling")
+    sv.add_argument("--no-prefix-caching", action="store_true", help="recompute every encoder output and prefix")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only by default)")
+    sv.add_argument("--port", type=int, default=8000, help="port to bind")
+    sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $ENCDEC_API_KEY, else none)")
+    sv.add_argument("--protect-info", action=argparse.BooleanOptionalAction, default=None,
+                    help="/metrics, /docs, /redoc and /openapi.json need the API key too (without a key: are "
+                         "not served); default: on when an API key is set")
+    sv.add_argument("--max-queue", type=int, default=256, help="requests waiting to start; beyond: 429")
+    sv.add_argument("--max-upload-mb", type=float, default=25.0, help="request body limit; beyond: 413")
+    sv.add_argument("--max-audio-seconds", type=float, default=3600.0, help="audio length limit; beyond: 413")
+    sv.add_argument("--max-audio-memory-mb", type=float, default=4096.0,
+                    help="memory for the audio of transcriptions in flight (uploads, samples, log-mels: about "
+                         "350 MB per hour of audio), held from upload to the job's end; beyond: 429")
+    sv.add_argument("--max-client-audio-mb", type=float, default=None,
+                    help="what one client address may hold of that memory (default: a quarter); beyond: 429")
+    sv.add_argument("--min-body-kb-per-s", type=float, default=16.0,
+                    help="the slowest a request body may arrive, on average after --body-grace-s; slower: 408")
+    sv.add_argument("--body-grace-s", type=float, default=10.0, help="seconds before the body rate is enforced")
+    sv.add_argument("--max-request-tokens", type=int, default=65536,
+                    help="tokens one completion request may generate: prompts x best_of x max_tokens x "
+                         "(1 + logprobs); beyond: 400")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                    help="server and engine log level")
+    sv.set_defaults(func=cmd_serve)

@@ -1,0 +1,160 @@
+"""OpenAI-compatible HTTP server over `AsyncLLMEngine`.
+
+Which endpoints answer depends on the loaded model; the other kind gets a 404 that says why:
+
+    Whisper      POST /v1/audio/transcriptions, /v1/audio/translations   (multipart upload)
+    text models  POST /v1/completions                                     (BART: prompt = encoder prompt)
+    always       GET /v1/models, /health, /metrics (Prometheus text)
+
+Every request passes the same gate: an optional Bearer API key (401; with the key set it
+also guards /metrics, /docs, /redoc and /openapi.json unless `--no-protect-info`), a body
+size limit (413), then a bounded queue of requests admitted but not yet running in the
+engine (429). Bad input is a 400 naming the problem, in OpenAI's error shape, and
+never reaches the engine thread. An internal failure is a 500 whose body names a request
+id, never the exception (the log has the traceback under that id). A client that goes
+away aborts its requests.
+
+This module builds and runs the app; the parts live beside it:
+
+    limits.py        ServerLimits and what enforces them: the admission queue, the audio memory, the
+                     output budget (a leaf: nothing else of the server is imported there)
+    gate.py          what every request passes first: the API key, the body's size and rate
+    errors.py        APIError (OpenAI's error shape) and mapping engine exceptions to it
+    protocol.py      the request and response bodies (pydantic)
+    openapi.py       the OpenAPI document: real request and response bodies, error statuses
+    metrics.py       request counters and latency histograms, the Prometheus text
+    state.py         ServerState, server-sent events, cancelling on client disconnect
+    info.py          GET /v1/models, /health, /metrics
+    completions.py   POST /v1/completions, whole or streamed
+    audio.py         POST /v1/audio/*: the upload (uploads.py), transcription, response formats
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from encdec_engine.config import EngineConfig
+from encdec_engine.engine.async_engine import AsyncLLMEngine
+from encdec_engine.engine.llm_engine import LLMEngine
+from encdec_engine.server import protocol as P
+from encdec_engine.server import audio, completions, info
+from encdec_engine.server.errors import APIError, internal_error
+from encdec_engine.server.gate import Gate
+from encdec_engine.server.limits import ServerLimits
+from encdec_engine.server.openapi import ModelFacts, install_openapi
+from encdec_engine.server.state import ServerState
+from encdec_engine.checkpoints.whisper_languages import LANGUAGES, TO_LANGUAGE_CODE
+from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
+
+__all__ = ["ServerLimits", "build_app", "run_server"]
+
+logger = logging.getLogger(__name__)
+
+
+# -- errors -------------------------------------------------------------------
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return APIError(400, *P.describe_validation_errors(e.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = str(e.detail)
+        if e.status_code == 404 and message == "Not Found":
+            message = f"no endpoint {request.method} {request.url.path}"
+        elif e.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return APIError(e.status_code, message).response(dict(e.headers or {}))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, e: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # nobody is listening: no body, no traceback
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        return internal_error(e, where=request.url.path).response()
+
+
+# -- building and running -----------------------------------------------------------
+def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | None = None,
+              limits: ServerLimits | None = None, served_model_name: str | None = None,
+              shutdown_timeout: float = 30.0, **engine_kwargs) -> FastAPI:
+    """The FastAPI app serving `model` (a checkpoint folder; `engine_kwargs` are EngineConfig fields),
+    or an engine built already. The engine thread starts and stops with the app's lifespan;
+    at shutdown requests in flight get `shutdown_timeout` s to finish, then are aborted."""
+    if engine is None:
+        if model is None:
+            raise ValueError("build_app needs a model path or an engine")
+        engine = LLMEngine(EngineConfig(model=str(model), **engine_kwargs))
+    async_engine = engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine)
+    async_engine.engine.reject_max_tokens_past_limit = True  # OpenAI: a 400, not a silently shorter answer
+    state = ServerState(async_engine, limits or ServerLimits(), served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        await async_engine.shutdown(timeout=shutdown_timeout)
+
+    app = FastAPI(title="encdec-engine", summary="OpenAI-compatible serving of encoder/decoder models",
+                  lifespan=lifespan)
+    app.state.server = state
+    for endpoints in (info.router, completions.router, audio.router):
+        app.include_router(endpoints)
+    _install_error_handlers(app)
+    install_openapi(app, _model_facts(state))
+    app.add_middleware(Gate, state=state)
+    return app
+
+
+def _model_facts(state: ServerState) -> ModelFacts:
+    engine = state.engine.engine
+    facts = dict(is_audio=state.is_audio, vocab_size=engine.input_processor.vocab_size,
+                 max_decoder_len=engine.max_decoder_len, max_prompts=min(P.MAX_PROMPTS, state.limits.max_queue))
+    if state.is_audio:
+        tokens = WhisperTokens.from_configs(engine.hf_config, engine.generation_config)
+        codes = [code for code in LANGUAGES if tokens.is_multilingual and f"<|{code}|>" in tokens.lang_to_id] or ["en"]
+        names = [name for name, code in TO_LANGUAGE_CODE.items() if code in codes]
+        facts.update(languages=tuple(dict.fromkeys(codes + names + [n.title() for n in names])),
+                     window_prompt_len=len(tokens.decoder_prompt(codes[0], "transcribe")))
+    return ModelFacts(**facts)
+
+
+def _log_to_stderr(level: str) -> None:
+    """The engine's own log lines (threads, KV pool, ...) beside uvicorn's, which configures only its own."""
+    engine_logger = logging.getLogger("encdec_engine")
+    if not engine_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))  # uvicorn's layout
+        engine_logger.addHandler(handler)
+    engine_logger.setLevel(level.upper())
+
+
+def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, limits: ServerLimits | None = None,
+               served_model_name: str | None = None, shutdown_timeout: float = 30.0, log_level: str = "info",
+               **engine_kwargs) -> None:
+    """Serve `model` with uvicorn until interrupted (SIGINT/SIGTERM shut down gracefully)."""
+    import uvicorn
+
+    limits = limits or ServerLimits()
+    _log_to_stderr(log_level)
+    if host not in ("127.0.0.1", "localhost", "::1") and limits.api_key is None:
+        logger.warning("serving on %s without an API key: anyone who can reach the port can use it", host)
+    app = build_app(model, limits=limits, served_model_name=served_model_name, shutdown_timeout=shutdown_timeout,
+                    **engine_kwargs)
+    state: ServerState = app.state.server
+    logger.info("serving %r: %s", state.model_name, state.engine.engine.describe())
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout)
+    uvicorn.Server(config).run()

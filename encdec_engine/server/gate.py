@@ -1,0 +1,119 @@
+"""What every request passes before an endpoint sees it (pure ASGI, so a streamed answer is timed to its
+last byte): the API key, the body's size limit and minimum rate, and for an upload its audio memory,
+reserved as its bytes arrive and released when the request ends."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+from fastapi import HTTPException
+
+from encdec_engine.server.errors import APIError
+from encdec_engine.server.limits import ServerLimits
+from encdec_engine.server.state import ServerState
+
+_MB = 1 << 20
+_UPLOAD_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+_API_PATHS = ("/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models")
+# What the server tells about itself (load, the API's shape): guarded when ServerLimits.protects_info.
+INFO_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
+class _BodyTooLarge(HTTPException):
+    # An HTTPException so that FastAPI's body reader passes it through instead of making it a 400.
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is larger than this server's limit of {limit / _MB:g} MB")
+
+
+class _BodyTooSlow(HTTPException):
+    def __init__(self, received: int, seconds: float, limits: ServerLimits) -> None:
+        super().__init__(408, f"request body too slow: {received} bytes in {seconds:.0f} s; this server needs "
+                              f"{limits.min_body_kb_per_s:g} KB/s after the first {limits.body_grace_s:g} s")
+
+
+class Gate:
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, limits = scope["path"], self.state.limits
+        endpoint = path if path in _API_PATHS else None
+        start, status, done = time.monotonic(), [500], [False]
+
+        async def send_timed(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                done[0] = True
+            await send(message)
+
+        received, started, complete = 0, time.monotonic(), [False]
+        reservation = self.state.audio_memory.reserve(_client(scope)) if path in _UPLOAD_PATHS else None
+        if reservation is not None:
+            scope.setdefault("state", {})["audio_reservation"] = reservation
+
+        async def receive_limited():
+            """The body as it arrives: at the minimum rate (408), within the size limit (413), and for
+            an upload, reserved from the audio budget byte by byte (429)."""
+            nonlocal received
+            if complete[0]:  # the body is in: waiting for a disconnect has no deadline
+                return await receive()
+            deadline = started + limits.body_grace_s + received / (limits.min_body_kb_per_s * 1024)
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise _BodyTooSlow(received, time.monotonic() - started, limits) from None
+            if message["type"] == "http.request":
+                body = message.get("body", b"")
+                received += len(body)
+                if received > limits.max_body_bytes:
+                    raise _BodyTooLarge(limits.max_body_bytes)
+                if reservation is not None:
+                    try:
+                        reservation.grow(len(body))
+                    except APIError as e:  # raised inside the body reader: as an HTTPException
+                        raise HTTPException(e.status, e.message) from None
+                complete[0] = not message.get("more_body", False)
+                if complete[0] and reservation is not None:
+                    reservation.arrived()
+            else:
+                complete[0] = True
+            return message
+
+        try:
+            headers = dict(scope["headers"])
+            error = None
+            guarded = path.startswith("/v1") or (limits.protects_info and path in INFO_PATHS)
+            if limits.protects_info and path in INFO_PATHS and limits.api_key is None:
+                error = APIError(404, f"{path} is not served here (--protect-info without an API key)")
+            elif limits.api_key is not None and guarded:
+                error = _check_api_key(headers.get(b"authorization"), limits.api_key)
+            length = headers.get(b"content-length", b"")
+            if error is None and length.isdigit() and int(length) > limits.max_body_bytes:
+                error = APIError(413, str(_BodyTooLarge(limits.max_body_bytes).detail))
+            if error is not None:
+                return await error.response()(scope, receive, send_timed)
+            await self.app(scope, receive_limited, send_timed)
+        finally:
+            if reservation is not None:  # the request is over, answer sent: its audio goes
+                reservation.release()
+            if endpoint is not None:
+                self.state.metrics.observe(endpoint, status[0] if done[0] else 499, time.monotonic() - start)
+
+
+def _client(scope) -> str:
+    client = scope.get("client")
+    return client[0] if client else ""
+
+
+def _check_api_key(header: bytes | None, api_key: str) -> APIError | None:
+    if not header:
+        return APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'")
+    scheme, _, token = header.decode("latin-1").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        return APIError(401, "invalid API key")
+    return None

@@ -1,0 +1,39 @@
+"""GET /v1/models (and /v1/models/{id}), /health and /metrics: what the server says of itself."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from encdec_engine.server import protocol as P
+from encdec_engine.server.state import state_of
+
+router = APIRouter()
+
+
+@router.get("/v1/models", response_model=P.ModelList)
+async def list_models(request: Request) -> P.ModelList:
+    st = state_of(request)
+    return P.ModelList(data=[P.ModelCard(id=st.model_name, root=st.model_path,
+                                         max_model_len=st.engine.engine.max_decoder_len)])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=P.ModelCard)
+async def retrieve_model(model_id: str, request: Request) -> P.ModelCard:
+    state_of(request).check_model(model_id)
+    return (await list_models(request)).data[0]
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    engine = state_of(request).engine
+    if engine.is_running:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unavailable", "reason": engine.dead_reason or "engine not started"}, 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    st = state_of(request)
+    return PlainTextResponse(st.metrics.render(st.engine, st.admission, st.audio_memory),
+                             media_type="text/plain; version=0.0.4; charset=utf-8")

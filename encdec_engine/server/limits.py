@@ -1,0 +1,191 @@
+"""The server's limits and the bookkeeping that enforces them: `ServerLimits` (every setting, validated),
+the bounded queue of engine requests admitted but not yet running (`Admission`), the audio memory held by
+the transcriptions in flight, in all and per client address (`AudioMemory`), and the output budget of a
+completion request. A leaf: the gate (gate.py), the endpoints and the metrics use it; it uses none of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from encdec_engine.server.errors import APIError
+
+_MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
+    # /metrics, /docs, /redoc and /openapi.json need the key too (without a key they are not served).
+    # None: on when api_key is set.
+    protect_info: bool | None = None
+    max_queue: int = 256  # engine requests admitted but not yet running; more get 429
+    max_upload_mb: float = 25.0  # request body size (OpenAI's audio limit); more get 413
+    max_audio_seconds: float = 3600.0  # decoded audio length; more get 413
+    # Audio held by the transcriptions in flight (uploads as their bytes arrive, samples, log-mels: about
+    # 350 MB per hour of audio), held until the job ends; more get 429.
+    max_audio_memory_mb: float = 4096.0
+    # What one client address may hold of that budget (None: a quarter of it, at least one upload).
+    max_client_audio_mb: float | None = None
+    # A body must arrive at this rate on average, after a grace period; slower gets 408.
+    min_body_kb_per_s: float = 16.0
+    body_grace_s: float = 10.0
+    # Tokens one completion request may ask the engine for: prompts x best_of x max_tokens x (1 + logprobs).
+    max_request_tokens: int = 65536
+    preprocess_workers: int = 2  # audio decodes / log-mels computed at once (off the event loop)
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be at least 1, got {self.max_queue}")
+        if self.max_upload_mb <= 0 or self.max_audio_seconds <= 0:
+            raise ValueError("max_upload_mb and max_audio_seconds must be positive")
+        if self.max_audio_memory_mb < self.max_upload_mb:
+            raise ValueError(f"max_audio_memory_mb ({self.max_audio_memory_mb:g}) must be at least max_upload_mb "
+                             f"({self.max_upload_mb:g}): one upload must fit")
+        if self.max_client_audio_mb is not None and not (
+                self.max_upload_mb <= self.max_client_audio_mb <= self.max_audio_memory_mb):
+            raise ValueError(f"max_client_audio_mb ({self.max_client_audio_mb:g}) must lie between max_upload_mb "
+                             f"({self.max_upload_mb:g}) and max_audio_memory_mb ({self.max_audio_memory_mb:g})")
+        if self.min_body_kb_per_s <= 0 or self.body_grace_s <= 0:
+            raise ValueError("min_body_kb_per_s and body_grace_s must be positive")
+        if self.max_request_tokens < 1:
+            raise ValueError(f"max_request_tokens must be at least 1, got {self.max_request_tokens}")
+        if self.preprocess_workers < 1:
+            raise ValueError(f"preprocess_workers must be at least 1, got {self.preprocess_workers}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
+
+    @property
+    def protects_info(self) -> bool:
+        return self.api_key is not None if self.protect_info is None else self.protect_info
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_upload_mb * _MB)
+
+    @property
+    def max_client_audio_bytes(self) -> int:
+        if self.max_client_audio_mb is not None:
+            return int(self.max_client_audio_mb * _MB)
+        return int(max(self.max_upload_mb, self.max_audio_memory_mb / 4) * _MB)
+
+
+# -- admission: the bounded waiting queue -----------------------------------
+class Ticket:
+    """Slots held in the queue until the engine starts the requests (or they end)."""
+
+    def __init__(self, admission: Admission, held: int) -> None:
+        self.admission, self.held = admission, held
+
+    def release(self, n: int = 1) -> None:
+        n = min(n, self.held)
+        self.held -= n
+        self.admission.waiting -= n
+
+    def release_all(self) -> None:
+        self.release(self.held)
+
+    def add(self, n: int) -> None:
+        """Hold n more slots (more engine requests for the same client request); 429 if the queue is full."""
+        self.admission.acquire(n)
+        self.held += n
+
+
+class Admission:
+    """Counts engine requests admitted but not yet started (event loop only, so exact)."""
+
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        self.waiting = 0
+
+    def acquire(self, n: int) -> Ticket:
+        if n > self.max_queue:
+            raise APIError(400, f"{n} prompts in one request exceed this server's queue of {self.max_queue}; "
+                                "send fewer per request", "prompt")
+        if self.waiting + n > self.max_queue:
+            raise APIError(429, f"server busy: {self.waiting} requests are already waiting to start "
+                                f"(limit {self.max_queue}); retry shortly")
+        self.waiting += n
+        return Ticket(self, n)
+
+
+# -- the output budget of one request ------------------------------------------
+def check_request_tokens(limits: ServerLimits, prompts: int, sequences: int, max_tokens: int,
+                         logprobs: int | None) -> None:
+    """400 when a request may make the engine generate (and the server hold and send) more than
+    `max_request_tokens`: prompts x sequences per prompt (best_of) x max_tokens, each token counting
+    1 + logprobs (the alternatives it carries)."""
+    weight = 1 + (logprobs or 0)
+    total = prompts * sequences * max_tokens * weight
+    if total > limits.max_request_tokens:
+        factors = f"{prompts} prompts x {sequences} sequences (n/best_of) x max_tokens {max_tokens}"
+        if logprobs:
+            factors += f" x (1 + logprobs {logprobs})"
+        raise APIError(400, f"this request may generate {factors} = {total} tokens, more than this server's "
+                            f"budget of {limits.max_request_tokens} per request; lower max_tokens, n/best_of or "
+                            "logprobs, or send fewer prompts per request", "max_tokens")
+
+
+# -- audio memory: bytes held by transcriptions in flight ---------------------
+class Reservation:
+    """Bytes one transcription holds in the server's `AudioMemory`: its upload as the bytes arrive, then
+    the decode's peak, then the loaded job; released once (when the request ends)."""
+
+    def __init__(self, memory: AudioMemory, client: str) -> None:
+        self.memory, self.client, self.held = memory, client, 0
+        self.arriving = True  # the body is still being received
+
+    def grow(self, nbytes: int) -> None:
+        self.resize(self.held + nbytes)
+
+    def resize(self, nbytes: int) -> None:
+        """Hold `nbytes` now (more or fewer than before); 429 if growing does not fit."""
+        nbytes = max(0, nbytes)
+        self.memory.take(self, nbytes - self.held)
+        self.held = nbytes
+
+    def arrived(self) -> None:
+        if self.arriving:
+            self.arriving = False
+            self.memory.arriving -= self.held
+
+    def release(self) -> None:
+        self.resize(0)
+        self.arrived()
+
+
+class AudioMemory:
+    """The byte budget of audio in flight, in all and per client address (event loop only, so exact)."""
+
+    def __init__(self, limit_bytes: int, client_limit_bytes: int | None = None) -> None:
+        self.limit, self.used = limit_bytes, 0
+        self.client_limit = client_limit_bytes or limit_bytes
+        self.by_client: dict[str, int] = {}
+        self.arriving = 0  # bytes of bodies still being received (part of `used`)
+
+    def reserve(self, client: str = "") -> Reservation:
+        """An empty reservation for a request from `client` (its address)."""
+        return Reservation(self, client)
+
+    def take(self, reservation: Reservation, nbytes: int) -> None:
+        client = reservation.client
+        held = self.by_client.get(client, 0)
+        if nbytes > 0 and held + nbytes > self.client_limit:
+            raise APIError(429, f"your address holds {_mb(held)} of audio in requests in flight; this one needs "
+                                f"{_mb(nbytes)} more, over the per-client limit of {_mb(self.client_limit)}; "
+                                "retry once your other requests have finished")
+        if nbytes > 0 and self.used + nbytes > self.limit:
+            raise APIError(429, f"server busy: requests in flight hold {_mb(self.used)} of audio ({_mb(self.arriving)} "
+                                f"of it in uploads still arriving); this one needs {_mb(nbytes)} more, over the "
+                                f"limit of {_mb(self.limit)}; retry shortly")
+        self.used += nbytes
+        if reservation.arriving:
+            self.arriving += nbytes
+        if held + nbytes:
+            self.by_client[client] = held + nbytes
+        else:
+            self.by_client.pop(client, None)
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / _MB:.1f} MB"
