@@ -1,4 +1,5 @@
-"""Small fixtures made on the fly: tokenizers and random-init checkpoints (nothing downloaded)."""
+"""Small fixtures made on the fly (tokenizers and random-init checkpoints: nothing downloaded) and the
+helpers several test folders share."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import random
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +16,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_CONFIGS = ROOT / "models" / "configs"
+AUDIO = ROOT / "prompts" / "audio"  # the bundled espeak-ng clips and recordings
+TRANSCRIPTS = json.loads((AUDIO / "transcripts.json").read_text())
+SHORT_CLIPS = sorted(n for n in TRANSCRIPTS if not n.startswith("long"))
 
 WORDS = (
     "the a of and to in is was for on that with as by at from his her it an were are which this be "
@@ -270,3 +276,47 @@ class BrokenOnOneToken:
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
+
+
+def fresh_prompts(seed: int, n: int = 8, decoder_len: int = 2) -> list[dict]:
+    """Prompts no other test sends (so nothing of them is cached yet); some decoder prompts fill self blocks."""
+    rng = random.Random(seed)
+    return [{"encoder_prompt": {"prompt_token_ids": [0] + [rng.randrange(5, 590) for _ in range(rng.randint(6, 30))] + [2]},
+             "decoder_prompt": {"prompt_token_ids": [2, 0] + [rng.randrange(5, 590) for _ in range(decoder_len)]}}
+            for _ in range(n)]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def causal_prompts(vocab_size: int, n: int, seed: int) -> list:
+    """Text, TextPrompt and token prompts from 1 to ~150 tokens."""
+    rng = random.Random(seed)
+    texts = corpus(4 * n, seed=seed + 3)
+    prompts: list = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            prompts.append(" ".join(texts[4 * i : 4 * i + rng.choice([1, 2, 4])]))
+        elif kind == 1:
+            prompts.append({"prompt": texts[4 * i]})
+        else:
+            length = rng.choice([1, 2, 9, 60, 150])
+            prompts.append({"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(length)]})
+    return prompts
+
+
+def hf_causal_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF greedy decoding of a decoder-only model (the BART tokenizer's <pad> is 1)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                             dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                             pad_token_id=1)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def encdec(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess; by default (as openai-whisper) it writes every format into `cwd`."""
+    return subprocess.run([sys.executable, "-m", "encdec_engine.cli.main", *args], capture_output=True,
+                          text=True, timeout=600, cwd=cwd)
