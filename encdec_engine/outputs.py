@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from encdec_engine.probes import ProbeResults
 
 
 @dataclass
@@ -35,12 +36,23 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
-    no_speech_prob: float | None = None  # when SamplingParams.no_speech_token_id asked for it
-    # vLLM's prompt_logprobs (SamplingParams.prompt_logprobs): None for the first prompt token, then
-    # {token_id: logprob} with the prompt token and the top-k
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    cross_attentions: Any = None  # torch.Tensor [pairs, prompt tokens, encoder positions] (cross_attention_heads)
+    # What its prefill reported besides samples, when SamplingParams asked (no_speech_token_id,
+    # prompt_logprobs, cross_attention_heads); None when nothing was asked.
+    probes: ProbeResults | None = None
     # Set when the request failed (its outputs end with finish_reason "error"): processing its result
     # raised, or the step that ran it failed. Only this request (or that step's batch) is affected.
     error: str | None = None
+
+    @property
+    def no_speech_prob(self) -> float | None:
+        return None if self.probes is None else self.probes.no_speech_prob
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        """vLLM's: None for the first prompt token, then {token_id: logprob} with the token and its top-k."""
+        return None if self.probes is None else self.probes.prompt_logprobs
+
+    @property
+    def cross_attentions(self):  # torch.Tensor [pairs, prompt tokens, encoder positions]
+        return None if self.probes is None else self.probes.cross_attentions
 

@@ -3,8 +3,11 @@ that runs after every test on every engine the tests built."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import weakref
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,8 @@ os.environ.setdefault("ENCDEC_CPU_LINEAR", "default")
 # vocab, different layer counts, scaled embeddings, untied output embeddings.
 BART_CONFIGS = ("small", "odd_heads", "untied")
 
-_ENGINES: list = []
+_ENGINES: weakref.WeakSet = weakref.WeakSet()  # every engine still alive
+_CACHED_ENGINES = 3
 
 
 @pytest.fixture(scope="session")
@@ -53,16 +57,25 @@ def hf_bart(bart_path):
 
 @pytest.fixture(scope="session")
 def make_llm():
-    """Build (and remember) an LLM; engines are checked for leaks after every test."""
+    """Build (and remember) an LLM; engines are checked for leaks after every test. The last
+    `_CACHED_ENGINES` engines asked for are kept for the next test that asks for the same one; older
+    ones go when no test module holds them any more (the default run stays within 4 GB)."""
     from encdec_engine import LLM
 
-    cache: dict = {}
+    cache: OrderedDict = OrderedDict()
 
     def make(path, **kwargs):
+        if "num_kv_blocks" not in kwargs and "kv_cache_space_gb" not in kwargs:
+            kwargs["kv_cache_space_gb"] = 0.5  # plenty for a test; the 2 GiB default would hold 2 GiB each
         key = (str(path), tuple(sorted(kwargs.items())))
-        if key not in cache:
+        if key in cache:
+            cache.move_to_end(key)
+        else:
             cache[key] = LLM(model=str(path), **kwargs)
-            _ENGINES.append(cache[key].engine)
+            _ENGINES.add(cache[key].engine)
+            while len(cache) > _CACHED_ENGINES:
+                cache.popitem(last=False)
+            gc.collect()
         return cache[key]
 
     return make
@@ -71,7 +84,7 @@ def make_llm():
 @pytest.fixture(autouse=True)
 def no_leaked_blocks():
     yield
-    for engine in _ENGINES:
+    for engine in list(_ENGINES):
         for rid in list(engine.groups):
             engine.abort_request(rid)
         assert not engine.has_unfinished_requests()

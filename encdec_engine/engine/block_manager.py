@@ -21,7 +21,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.sequence import SequenceStatus
+from encdec_engine.engine.sequence_group import Sequence, SequenceGroup
 
 
 class AllocStatus(enum.Enum):

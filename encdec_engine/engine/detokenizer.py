@@ -9,7 +9,7 @@ incomplete character.
 
 from __future__ import annotations
 
-from encdec_engine.sequence import Sequence
+from encdec_engine.engine.sequence_group import Sequence
 
 _INCOMPLETE = "\ufffd"
 

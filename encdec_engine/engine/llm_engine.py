@@ -17,8 +17,10 @@ from encdec_engine.inputs.preprocess import InputProcessor, ProcessedInputs
 from encdec_engine.inputs.prompts import PromptType
 from encdec_engine.layers.sampling_state import RequestSampling
 from encdec_engine.outputs import RequestOutput
+from encdec_engine.probes import ProbeRequest, no_speech_position
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.sequence import SequenceStatus
+from encdec_engine.engine.sequence_group import Sequence, SequenceGroup
 from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
 from encdec_engine.worker.cuda_graphs import graph_batch_sizes
 from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool, weight_bytes
@@ -36,7 +38,7 @@ class ProcessedRequest:
     inputs: ProcessedInputs
     params: SamplingParams  # the engine's copy (bad words resolved to token ids)
     sampling: RequestSampling
-    no_speech_position: int | None  # prompt position probed for no_speech_prob
+    probes: ProbeRequest | None  # what its prefill reports besides samples
 
 
 class LLMEngine:
@@ -119,10 +121,7 @@ class LLMEngine:
         inputs = self.input_processor.process(prompt, params)
         self._check_fits(inputs.decoder_token_ids, inputs.encoder_seq, params)
         sampling = RequestSampling.build(params, self.eos_token_ids, self.input_processor.vocab_size, self.device)
-        no_speech = None
-        if params.no_speech_token_id is not None:
-            no_speech = self._no_speech_position(inputs.decoder_token_ids, params.no_speech_token_id)
-        return ProcessedRequest(inputs, params, sampling, no_speech)
+        return ProcessedRequest(inputs, params, sampling, self._probes(inputs.decoder_token_ids, params))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
@@ -136,17 +135,14 @@ class LLMEngine:
         inputs, params = request.inputs, request.params
         # One sequence runs the prefill; n > 1 and beam search fork it afterwards, sharing its blocks.
         seqs = [Sequence(next(self._seq_ids), inputs.decoder_token_ids, inputs.decoder_prompt)]
-        group = SequenceGroup(request_id, seqs, params, arrival_time or time.monotonic(), inputs.encoder_seq)
-        group.sampling = request.sampling
-        if request.no_speech_position is not None:
-            group.no_speech_position = group.prefill_from = request.no_speech_position
-        if params.prompt_logprobs is not None or params.cross_attention_heads is not None:
-            group.prefill_from = 0
         prompt_len = len(inputs.decoder_token_ids)
-        group.max_len = min(prompt_len + (params.max_tokens or self.max_decoder_len), self.max_decoder_len)
+        max_len = min(prompt_len + (params.max_tokens or self.max_decoder_len), self.max_decoder_len)
+        beam = None
         if params.use_beam_search:  # stop_token_ids end a beam as an EOS does (HF: a list of EOS ids)
-            group.beam = BeamState(params.num_beams, params.length_penalty, params.early_stopping, prompt_len,
-                                   group.max_len, tuple(request.sampling.stop_token_ids))
+            beam = BeamState(params.num_beams, params.length_penalty, params.early_stopping, prompt_len, max_len,
+                             tuple(request.sampling.stop_token_ids))
+        group = SequenceGroup(request_id, seqs, params, arrival_time or time.monotonic(), inputs.encoder_seq,
+                              sampling=request.sampling, max_len=max_len, beam=beam, probes=request.probes)
         self.groups[request_id] = group
         self.scheduler.add(group)
 
@@ -187,12 +183,16 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.cross_attention_heads {bad} are outside the decoder's "
                              f"{spec.num_layers} layers x {spec.num_kv_heads} heads")
 
-    def _no_speech_position(self, decoder_ids: list[int], token_id: int) -> int:
-        """The last decoder start token of the prompt: no_speech_prob is read right after it."""
-        start = self.input_processor.decoder_start_token_id
-        if start is None or start not in decoder_ids:
-            raise ValueError(f"no_speech_token_id needs the decoder start token ({start}) in the decoder prompt")
-        return len(decoder_ids) - 1 - decoder_ids[::-1].index(start)
+    def _probes(self, decoder_ids: list[int], params: SamplingParams) -> ProbeRequest | None:
+        """What the request's prefill reports besides samples; no_speech_prob is read right after the
+        prompt's last decoder start token."""
+        position = None
+        if params.no_speech_token_id is not None:
+            position = no_speech_position(decoder_ids, self.input_processor.decoder_start_token_id)
+        heads = params.cross_attention_heads
+        probes = ProbeRequest(params.no_speech_token_id, position, params.prompt_logprobs,
+                              None if heads is None else tuple(tuple(pair) for pair in heads))
+        return None if probes.empty else probes
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its self and cross blocks are freed at once."""

@@ -14,14 +14,17 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from encdec_engine.engine.block_manager import BlockManager
 from encdec_engine.engine.detokenizer import Detokenizer
 from encdec_engine.outputs import CompletionOutput, RequestOutput
-from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from encdec_engine.worker.step_output import PromptOutputs, RowOutput, StepOutput
+from encdec_engine.sequence import SequenceStatus
+from encdec_engine.engine.sequence_group import Sequence, SequenceGroup
+from encdec_engine.probes import ProbeResults
+from encdec_engine.worker.step_output import RowOutput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ class OutputProcessor:
             rows[row.group_index].append(row)
         for i, group in enumerate(groups):
             try:
-                self._apply_group(group, rows[i], step.prompt_outputs.get(i), now)
+                self._apply_group(group, rows[i], step.probes.get(i), step.probe_errors.get(i), now)
             except Exception as e:
                 self.fail(group, e)
 
@@ -62,18 +65,13 @@ class OutputProcessor:
         for seq in group.unfinished_seqs():
             seq.status = SequenceStatus.FINISHED_ERROR
 
-    def _apply_group(self, group: SequenceGroup, rows: list[RowOutput], reports: PromptOutputs | None,
-                     now: float) -> None:
-        failed = next((r.error for r in rows if r.error is not None), None) or (reports and reports.error)
+    def _apply_group(self, group: SequenceGroup, rows: list[RowOutput], probes: ProbeResults | None,
+                     probe_error: str | None, now: float) -> None:
+        failed = next((r.error for r in rows if r.error is not None), None) or probe_error
         if failed:
             raise RequestFailure(failed)
-        if reports is not None:
-            if reports.no_speech_prob is not None:
-                group.no_speech_prob = reports.no_speech_prob
-            if reports.prompt_logprobs is not None:
-                group.prompt_logprobs = reports.prompt_logprobs
-            if reports.cross_attentions is not None:
-                group.cross_attentions = reports.cross_attentions
+        if probes is not None:
+            group.probe_results.update(probes)
         if group.first_token_time is None:
             group.first_token_time = now
         seqs = {s.seq_id: s for s in group.seqs}
@@ -179,8 +177,8 @@ class OutputProcessor:
             request_id=group.request_id, prompt=first.prompt, prompt_token_ids=list(first.data.prompt_token_ids),
             encoder_prompt=enc.prompt if enc else None,
             encoder_prompt_token_ids=list(enc.prompt_token_ids) if enc and enc.prompt_token_ids else None,
-            outputs=outputs, finished=group.is_finished(), metrics=metrics, no_speech_prob=group.no_speech_prob,
-            prompt_logprobs=group.prompt_logprobs, cross_attentions=group.cross_attentions, error=group.error,
+            outputs=outputs, finished=group.is_finished(), metrics=metrics,
+            probes=replace(group.probe_results) if group.probes is not None else None, error=group.error,
         )
 
     def _beam_outputs(self, group: SequenceGroup) -> list[CompletionOutput]:

@@ -19,7 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from encdec_engine.engine.block_manager import AllocStatus, BlockManager
-from encdec_engine.sequence import SequenceGroup, SequenceGroupMetadata, SequenceStatus
+from encdec_engine.sequence import SequenceStatus
+from encdec_engine.engine.sequence_group import SequenceGroup
+from encdec_engine.worker.step_input import SequenceGroupMetadata
 
 
 class PreemptionMode(enum.Enum):
@@ -237,8 +239,5 @@ class Scheduler:
             sampling=group.sampling,
             max_len=group.max_len,
             fanout=params.best_of if first_prefill and params.best_of > 1 and not params.use_beam_search else 1,
-            no_speech_position=group.no_speech_position,
-            want_prompt_logprobs=is_prompt and params.prompt_logprobs is not None and group.prompt_logprobs is None,
-            want_cross_attentions=(is_prompt and params.cross_attention_heads is not None
-                                   and group.cross_attentions is None),
+            probes=group.unreported_probes if is_prompt else None,
         )

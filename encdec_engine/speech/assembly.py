@@ -86,8 +86,8 @@ class ResultAssembler:
         ran prefix_len tokens before the text), seek to the last word, and apply the hallucination
         rules. None: the window is dropped as if never decoded, and `job.seek` is where to go on."""
         text = window.text_tokens(self.tokens.eot)
-        probs = [math.exp(out.prompt_logprobs[prefix_len + k][t]) for k, t in enumerate(text)]
-        alignment = find_alignment(out.cross_attentions, probs, text, prefix_len, window.num_frames,
+        probs = [math.exp(out.probes.prompt_logprobs[prefix_len + k][t]) for k, t in enumerate(text)]
+        alignment = find_alignment(out.probes.cross_attentions, probs, text, prefix_len, window.num_frames,
                                    self.tokenizer, self.tokens.eot, job.language)
         add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset, job.last_speech,
                             self.options.prepend_punctuations, self.options.append_punctuations)

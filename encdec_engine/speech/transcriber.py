@@ -100,7 +100,7 @@ class Transcriber:
         temperature = self.options.temperatures[job.temperature_index]
         forced = self.requests.prompts.forced(job)
         chosen = best_candidate(out, self.tokens.eot, self.options.length_penalty)
-        quality = self.assembler.quality(chosen, forced, out.no_speech_prob)  # every decode asks for it
+        quality = self.assembler.quality(chosen, forced, out.probes.no_speech_prob)  # every decode asks for it
         verdict = self.requests.fallback(job, quality)
         if verdict is Verdict.RETRY:
             return True

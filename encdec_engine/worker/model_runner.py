@@ -23,14 +23,15 @@ import torch
 
 from encdec_engine.attention.capture import CaptureRequest, CrossCapture
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView, host_to_device
-from encdec_engine.sequence import SequenceGroupMetadata
+from encdec_engine.worker.step_input import SequenceGroupMetadata
 from encdec_engine.layers.logits_processors import SamplingRow
 from encdec_engine.layers.sampler import Sampler, beam_log_probs
 from encdec_engine.models.interface import EncoderInputs
+from encdec_engine.probes import ProbeResults
 from encdec_engine.worker.cache_engine import CacheEngine
 from encdec_engine.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs
 from encdec_engine.worker.input_prep import DecodeBatch, TokenArrays, pad_rows, prepare_token_arrays
-from encdec_engine.worker.step_output import PromptOutputs, RowOutput, StepOutput
+from encdec_engine.worker.step_output import RowOutput, StepOutput
 
 
 @dataclass
@@ -148,7 +149,7 @@ class ModelRunner:
         position whose logits predict the next prompt token."""
         found, indices = [], []
         for i, r in enumerate(rows):
-            if not r.group.want_prompt_logprobs:
+            if r.group.probes is None or r.group.probes.prompt_logprobs is None:
                 continue
             count = self._whole_prompt(r, dec, i, "prompt_logprobs") - 1
             found.append((i, count))
@@ -158,8 +159,8 @@ class ModelRunner:
     def _captures(self, rows: list[StepRow], dec: TokenArrays) -> list[tuple[int, CaptureRequest]]:
         captures = []
         for i, r in enumerate(rows):
-            pairs = r.group.sampling_params.cross_attention_heads
-            if not r.group.want_cross_attentions:
+            pairs = r.group.probes.cross_attention_heads if r.group.probes is not None else None
+            if pairs is None:
                 continue
             count = self._whole_prompt(r, dec, i, "cross_attention_heads")
             heads: dict[int, list[int]] = {}
@@ -174,7 +175,8 @@ class ModelRunner:
     @staticmethod
     def _no_speech_probes(rows: list[StepRow], dec: TokenArrays) -> tuple[list[int], np.ndarray]:
         """Rows that asked for no_speech_prob, and the flat index of each one's probed prompt token."""
-        found = [(i, r.group.no_speech_position) for i, r in enumerate(rows) if r.group.no_speech_position is not None]
+        found = [(i, r.group.probes.no_speech_position) for i, r in enumerate(rows)
+                 if r.group.probes is not None and r.group.probes.no_speech_position is not None]
         indices = []
         for i, position in found:
             offset = position - int(dec.num_computed_tokens[i])
@@ -250,11 +252,11 @@ class ModelRunner:
         reports what its requests asked for (no-speech probability, prompt logprobs, attention).
         A raise here fails the whole step; a failure of one row's own work is reported on it."""
         rows = [StepRow(m, seq_id, g) for g, m in enumerate(metadata_list) for seq_id in m.seq_data]
-        prompt_outputs: dict[int, PromptOutputs] = {}
+        step = StepOutput([])
         if is_prompt:
             inp = self.prepare_prefill(rows)
             hidden = self._forward(inp)
-            prompt_outputs = self._prompt_outputs(rows, inp, hidden[len(rows) :])
+            self._probe(rows, inp, hidden[len(rows) :], step)
         else:
             batch = self.decode_batch(rows)
             if self.graphs is not None and self.graphs.fits(batch):
@@ -280,7 +282,8 @@ class ModelRunner:
             for i in sampled:
                 outputs[i] = RowOutput(rows[i].group_index, rows[i].seq_id,
                                        [next(samples) for _ in range(rows[i].group.fanout)])
-        return StepOutput(outputs, prompt_outputs)
+        step.rows = outputs
+        return step
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:  # [len(logits_indices), hidden]
         self.backend.plan(inp.metadata)
@@ -290,30 +293,28 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, self.cache.kv_caches, inp.metadata, encoder_hidden)
         return hidden[inp.logits_indices]
 
-    def _prompt_outputs(self, rows: list[StepRow], inp: ModelInput,
-                        extra_hidden: torch.Tensor) -> dict[int, PromptOutputs]:
-        """What a prefill reports besides its samples: no-speech probabilities, prompt logprobs and
-        captured cross-attention, per group. The extra rows get their own logits call, so the sampled
-        rows' matmul keeps its shape (and its bits). One request's failure here is reported on it."""
-        reports: dict[int, PromptOutputs] = {}
-
+    def _probe(self, rows: list[StepRow], inp: ModelInput, extra_hidden: torch.Tensor, step: StepOutput) -> None:
+        """What a prefill reports besides its samples, into `step`: no-speech probabilities, prompt
+        logprobs and captured cross-attention, per group. The extra rows get their own logits call, so
+        the sampled rows' matmul keeps its shape (and its bits). One request's failure here is reported
+        on it alone."""
         def report(i: int, compute) -> None:
-            out = reports.setdefault(rows[i].group_index, PromptOutputs())
+            out = step.probes.setdefault(rows[i].group_index, ProbeResults())
             try:
                 compute(out)
             except Exception as e:
-                out.error = f"{type(e).__name__}: {e}"
+                step.probe_errors[rows[i].group_index] = f"{type(e).__name__}: {e}"
 
         for i, req in inp.captures:
-            heads = rows[i].group.sampling_params.cross_attention_heads
+            heads = list(rows[i].group.probes.cross_attention_heads)
             report(i, lambda out: setattr(out, "cross_attentions", inp.metadata.capture.result(req, heads)))
         if not inp.no_speech_rows and not inp.prompt_logprob_rows:
-            return reports
+            return
         logits = self.model.compute_logits(extra_hidden).float()
         probes, logits = logits[: len(inp.no_speech_rows)], logits[len(inp.no_speech_rows) :]
         if inp.no_speech_rows:
             # no_speech_prob: the raw distribution after the decoder start token, at the no-speech token.
-            token_ids = [rows[i].group.sampling_params.no_speech_token_id for i in inp.no_speech_rows]
+            token_ids = [rows[i].group.probes.no_speech_token_id for i in inp.no_speech_rows]
             probs = probes.log_softmax(dim=-1).gather(1, torch.tensor(token_ids, device=probes.device)[:, None])
             for i, prob in zip(inp.no_speech_rows, probs[:, 0].exp().tolist()):
                 report(i, lambda out: setattr(out, "no_speech_prob", prob))
@@ -321,7 +322,6 @@ class ModelRunner:
             row_logits, logits = logits[:count], logits[count:]
             report(i, lambda out: setattr(out, "prompt_logprobs",
                                           [None] + (self._prompt_logprobs(rows[i], row_logits) if count else [])))
-        return reports
 
     @staticmethod
     def _prompt_logprobs(row: StepRow, logits: torch.Tensor) -> list[dict[int, float]]:
@@ -336,7 +336,7 @@ class ModelRunner:
         prompt = row.group.seq_data[row.seq_id].prompt_token_ids
         targets = torch.tensor(prompt[1:], device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-        k = row.group.sampling_params.prompt_logprobs
+        k = row.group.probes.prompt_logprobs
         top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
         out = []
         for token, lp, ids, values in zip(prompt[1:], chosen, top_ids.tolist(), top_values.tolist()):

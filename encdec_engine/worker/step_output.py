@@ -8,11 +8,11 @@ request fails; the other rows' results are as if it had not been there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from encdec_engine.layers.sampler import SampleResult
+from encdec_engine.probes import ProbeResults
 
 
 @dataclass
@@ -31,16 +31,7 @@ class RowOutput:
 
 
 @dataclass
-class PromptOutputs:
-    """What a prefill reports for one request besides its samples (only what it asked for)."""
-
-    no_speech_prob: float | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    cross_attentions: Any = None  # torch.Tensor [pairs, prompt tokens, encoder positions]
-    error: str | None = None
-
-
-@dataclass
 class StepOutput:
     rows: list[RowOutput]
-    prompt_outputs: dict[int, PromptOutputs] = field(default_factory=dict)  # group index -> its reports
+    probes: dict[int, ProbeResults] = field(default_factory=dict)  # group index -> what its prefill reported
+    probe_errors: dict[int, str] = field(default_factory=dict)  # group index -> why a probe of it failed

@@ -483,7 +483,7 @@ def test_a_checkpoint_that_cannot_be_served_is_refused_naming_the_file(base, edi
 def test_ids_past_the_tokenizer_decode_to_no_text(bases):
     """A vocabulary padded past its tokenizer: such an id adds no text (vLLM), instead of failing the step."""
     from encdec_engine.engine.detokenizer import Detokenizer
-    from encdec_engine.sequence import Sequence
+    from encdec_engine.engine.sequence_group import Sequence
 
     tokenizer = AutoTokenizer.from_pretrained(bases["gpt2"])
     seq = Sequence(0, [5])

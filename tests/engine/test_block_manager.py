@@ -3,7 +3,8 @@
 import pytest
 
 from encdec_engine.engine.block_manager import AllocStatus, BlockAllocator, BlockManager, blocks_for
-from encdec_engine.sequence import EncoderSequence, Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.sequence import EncoderSequence, SequenceStatus
+from encdec_engine.engine.sequence_group import Sequence, SequenceGroup
 from encdec_engine.sampling_params import SamplingParams
 
 BS = 4
@@ -137,7 +138,8 @@ def test_blocks_for(n_tokens, expected):
 def test_append_need_counts_one_copy_less_than_the_writers_of_a_shared_block():
     """Two forks write into their shared partial block: one copies, the last writes in place."""
     from encdec_engine.sampling_params import SamplingParams
-    from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
+    from encdec_engine.engine.sequence_group import Sequence, SequenceGroup
+    from encdec_engine.sequence import SequenceStatus
 
     bm = BlockManager(4, 8)
     parent = Sequence(1, [5, 6, 7, 8, 9])  # 2 blocks, the second partial
@@ -158,7 +160,8 @@ def test_append_need_counts_one_copy_less_than_the_writers_of_a_shared_block():
 def test_swap_in_counts_only_the_swapped_sequences():
     """A finished sequence's device blocks (ids of the other pool) do not inflate the need."""
     from encdec_engine.sampling_params import SamplingParams
-    from encdec_engine.sequence import Sequence, SequenceGroup, SequenceStatus
+    from encdec_engine.engine.sequence_group import Sequence, SequenceGroup
+    from encdec_engine.sequence import SequenceStatus
 
     bm = BlockManager(4, 6, num_swap_blocks=6)
     running, done = Sequence(1, [5] * 6), Sequence(2, [6] * 6)

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from encdec_engine.engine.block_manager import BlockManager
 from encdec_engine.engine.scheduler import Scheduler, SchedulerConfig
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.sequence import EncoderSequence, Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.sequence import EncoderSequence, SequenceStatus
+from encdec_engine.engine.sequence_group import Sequence, SequenceGroup
 
 BS = 4
 OPS = st.lists(

@@ -20,7 +20,8 @@ from helpers import BrokenOnOneToken, MissingOneToken, fresh_prompts, tokens
 from encdec_engine import SamplingParams
 from encdec_engine.engine.async_engine import AsyncLLMEngine, RequestFailedError
 from encdec_engine.engine.block_manager import BlockManager
-from encdec_engine.sequence import EncoderSequence, Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.sequence import EncoderSequence, SequenceStatus
+from encdec_engine.engine.sequence_group import Sequence, SequenceGroup
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -2,7 +2,8 @@
 
 from encdec_engine.engine.block_manager import BlockManager
 from encdec_engine.engine.scheduler import PreemptionMode, Scheduler, SchedulerConfig
-from encdec_engine.sequence import EncoderSequence, Sequence, SequenceGroup, SequenceStatus
+from encdec_engine.sequence import EncoderSequence, SequenceStatus
+from encdec_engine.engine.sequence_group import Sequence, SequenceGroup
 from encdec_engine.sampling_params import SamplingParams
 
 BS = 4

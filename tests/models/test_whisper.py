@@ -9,6 +9,7 @@ from helpers import AUDIO, ROOT, SHORT_CLIPS, TRANSCRIPTS, make_whisper, norm, r
 from transformers import WhisperForConditionalGeneration
 
 from encdec_engine import SamplingParams
+from encdec_engine.probes import no_speech_position
 from encdec_engine.inputs.audio import load_audio
 from encdec_engine.inputs.features import log_mel_spectrogram
 from encdec_engine.checkpoints.ct2_import import default_model_path
@@ -326,7 +327,7 @@ def test_no_speech_prob_errors_name_the_problem(tiny_en):
         SamplingParams(no_speech_token_id=-1)
     # Prompts always open with the decoder start token; the position lookup still refuses one without it.
     with pytest.raises(ValueError, match=r"needs the decoder start token \(50257\) in the decoder prompt"):
-        tiny_en.engine._no_speech_position([50362], 50361)
+        no_speech_position([50362], 50257)
 
 
 def test_transcripts_report_no_speech_and_skip_silent_windows(tiny_en, hf_tiny_en):

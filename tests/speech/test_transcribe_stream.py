@@ -26,7 +26,7 @@ def default_llm():
     threads = torch.get_num_threads()
     llm = LLM(num_kv_blocks=600, threads=1)
     assert (llm.engine.threads, torch.get_num_threads()) == (1, 1)
-    _ENGINES.append(llm.engine)  # checked for leaked blocks after every test
+    _ENGINES.add(llm.engine)  # checked for leaked blocks after every test
     yield llm
     torch.set_num_threads(threads)
 
