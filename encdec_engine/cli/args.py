@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from encdec_engine.checkpoints.names import is_short_name, resolve_model_name
+from encdec_engine.checkpoints.names import resolve
 
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 
@@ -99,18 +99,26 @@ def normalize_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str
     return out
 
 
-def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
-    """The model and the EngineConfig options every command takes (see engine_kwargs)."""
+def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
+    """--model and where it is looked for (checkpoints/names.py)."""
     if default_model is None:
-        p.add_argument("--model", required=True, help="checkpoint folder, hub id (when online), or a Whisper name "
-                                                      "(tiny.en, base, ..., turbo) found offline")
+        p.add_argument("--model", required=True, help="checkpoint folder (Hugging Face or CTranslate2), hub id, or a "
+                                                      "Whisper name (tiny.en, base, ..., turbo, distil-*)")
     else:
         p.add_argument("--model", default=default_model,
-                       help="checkpoint folder, hub id (when online), or a Whisper name (tiny.en, base, small, medium, "
-                            "large-v1/v2/v3, turbo, and .en variants) already on this machine; tiny.en is bundled")
+                       help="checkpoint folder (Hugging Face or CTranslate2), hub id, or a Whisper name (tiny, base, "
+                            "small, medium, large-v1/v2/v3, turbo, their .en variants, distil-*); tiny.en is bundled")
     p.add_argument("--model-dir", default=None,
-                   help="where Whisper names are looked up and tiny.en is imported (default: $ENCDEC_CACHE, else "
+                   help="where names are looked up first and imports are kept (default: $ENCDEC_CACHE, else "
                         "~/.cache/encdec-engine; without it the checkout's models/ folder is searched first)")
+    p.add_argument("--no-download", action="store_true",
+                   help="use only what is on this machine (as $HF_HUB_OFFLINE=1); default: a name or hub id not "
+                        "found here is downloaded into the Hugging Face cache")
+
+
+def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
+    """The model and the EngineConfig options every command takes (see engine_kwargs)."""
+    add_model_args(p, default_model)
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache type; auto: float32 on CPU, bfloat16 on CUDA")
@@ -170,18 +178,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def resolve_model(args: argparse.Namespace) -> str:
-    """The checkpoint folder `--model` names: a folder as given (a CTranslate2 / faster-whisper one
-    imported once into the engine's cache), a Whisper name found offline, or a hub id as given."""
-    model = args.model
-    if Path(model).expanduser().is_dir():
-        from encdec_engine.checkpoints.ct2_import import cached_import, is_ct2_model_dir  # lazy: torch (0.9 s)
-
-        if is_ct2_model_dir(model):
-            return str(cached_import(model, args.model_dir))
-        return model
-    if is_short_name(model):
-        return str(resolve_model_name(model, args.model_dir))
-    return model
+    """The checkpoint folder `--model` names (a folder, a short name or a hub id), downloaded unless
+    --no-download (checkpoints/names.py)."""
+    return str(resolve(args.model, args.model_dir, allow_download=not args.no_download))
 
 
 def error(message: str) -> None:

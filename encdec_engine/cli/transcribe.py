@@ -88,10 +88,11 @@ def unreadable(path: str) -> str | None:
     return None
 
 
-def check_language_for_model(args: argparse.Namespace, model_path: str, language: str | None, task: str) -> None:
-    """An English-only checkpoint refuses other languages and translation before it loads."""
-
-    if not is_english_only(args.model, Path(model_path)):
+def check_language_for_model(args: argparse.Namespace, model_path: str | None, language: str | None,
+                             task: str) -> None:
+    """An English-only checkpoint refuses other languages and translation before it loads: from its name
+    alone (a `.en` name, checked before the model is even looked for), else from its folder's config."""
+    if not is_english_only(args.model, None if model_path is None else Path(model_path)):
         return
     if language is not None and language != "en":
         raise ValueError(f"{args.model} is English-only: it cannot transcribe language {language!r}; use a "
@@ -151,6 +152,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     if not plan.files:
         error(f"no readable audio file among {len(args.audio)}")
         return 1
+    check_language_for_model(args, None, plan.options.language, plan.options.task)  # a .en name: before anything
     model = resolve_model(args)
     check_language_for_model(args, model, plan.options.language, plan.options.task)
     plan.output_dir.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.encdec_layers import EncDecAttention
 from encdec_engine.checkpoints.generation_config import load_generation_config
 from encdec_engine.checkpoints.model_config import read_whisper_config
-from encdec_engine.checkpoints.names import is_short_name, resolve_model_name
+from encdec_engine.checkpoints.names import resolve
 from encdec_engine.checkpoints.tokenizer_files import load_tokenizer, tokenizer_if_any
 from encdec_engine.checkpoints.weights import iter_checkpoint, weight_files
 from encdec_engine.checkpoints.whisper_vocab import add_timestamp_tokens, complete_whisper_generation_config
@@ -44,21 +44,9 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local checkpoint folder, a short Whisper name found offline (`tiny.en`), or a hub id
-    downloaded (when the network allows)."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if is_short_name(model):
-        return resolve_model_name(model)
-    if path.exists() or model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model {model!r} is not a checkpoint folder")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
-    except Exception as e:  # offline, unknown id, ...
-        raise FileNotFoundError(f"model {model!r} is neither a local folder nor a reachable hub id: {e}") from e
+    """The checkpoint folder `model` names: a folder (a CTranslate2 one imported into the engine's cache),
+    a short name or a hub id, downloaded when it is not on this machine (unless $HF_HUB_OFFLINE)."""
+    return resolve(model)
 
 
 def make_backend(config: EngineConfig, device: torch.device):

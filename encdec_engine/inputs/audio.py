@@ -1,4 +1,5 @@
-"""Audio loading: any file librosa's backends decode, as float32 mono at 16 kHz."""
+"""Audio loading: WAV, FLAC, Ogg and MP3 through libsndfile, other containers through ffmpeg, as float32 mono
+at 16 kHz."""
 
 from __future__ import annotations
 
@@ -88,11 +89,18 @@ def _to_mono(samples: np.ndarray, sample_rate: int, target_rate: int, *, channel
         else:
             samples = samples[:, 0] if channels_last else samples[0]
     if sample_rate != target_rate and samples.size:
-        import librosa
-
-        # librosa's default soxr_hq resampler: band-limited and deterministic.
-        samples = librosa.resample(samples, orig_sr=sample_rate, target_sr=target_rate)
+        samples = resample(samples, sample_rate, target_rate)
     return np.ascontiguousarray(samples, dtype=np.float32)
+
+
+def resample(samples: np.ndarray, sample_rate: int, target_rate: int) -> np.ndarray:
+    """``[num_samples]`` at `target_rate`: soxr's band-limited "HQ" resampler, to the length
+    ceil(num_samples * target_rate / sample_rate) (what librosa.resample gives with its defaults)."""
+    import soxr  # lazy: only a file at another rate needs it
+
+    out = soxr.resample(samples, sample_rate, target_rate, quality="soxr_hq")
+    n = int(np.ceil(len(samples) * target_rate / sample_rate))
+    return out[:n] if len(out) >= n else np.pad(out, (0, n - len(out)))
 
 
 def _decode_soundfile(source: AudioSource, max_seconds: float | None) -> tuple[np.ndarray, int]:
