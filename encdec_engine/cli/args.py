@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from encdec_engine.checkpoints.names import resolve
 
@@ -34,6 +35,14 @@ def optional_float(value: str) -> float | None:
 
 def optional_int(value: str) -> int | None:
     return None if value.lower() == "none" else int(value)
+
+
+class Parser(argparse.ArgumentParser):
+    """A refused argument is one line naming it and where the usage is (`encdec transcribe -f docx`
+    used to print the whole 50-line usage above the error)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

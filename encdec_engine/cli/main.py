@@ -17,7 +17,7 @@ from contextlib import nullcontext
 from typing import NoReturn
 
 from encdec_engine import __version__
-from encdec_engine.cli.args import (HelpFormatter, add_engine_args, check_engine_args, engine_kwargs,
+from encdec_engine.cli.args import (HelpFormatter, Parser, add_engine_args, check_engine_args, engine_kwargs,
                                                 error, normalize_argv, resolve_model)
 from encdec_engine.cli.transcribe import add_transcribe_parser
 from encdec_engine.cli.ray import add_ray_args, ray_command, split_ray_address
@@ -76,7 +76,7 @@ def cmd_download(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="encdec", description="Serve encoder/decoder transformers.",
+    parser = Parser(prog="encdec", description="Serve encoder/decoder transformers.",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

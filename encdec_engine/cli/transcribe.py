@@ -85,6 +85,8 @@ def unreadable(path: str) -> str | None:
         return f"{path}: is a directory, not an audio file"
     if not os.access(path, os.R_OK):
         return f"{path}: not readable (permission denied)"
+    if os.path.getsize(path) == 0:
+        return f"{path}: the file is empty (0 bytes)"
     return None
 
 

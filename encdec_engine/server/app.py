@@ -36,7 +36,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from swagger_ui_bundle import swagger_ui_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -108,14 +111,33 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
         await async_engine.shutdown(timeout=shutdown_timeout)
 
     app = FastAPI(title="encdec-engine", summary="OpenAI-compatible serving of encoder/decoder models",
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None)
     app.state.server = state
+    _install_swagger_ui(app)
     for endpoints in (info.router, completions.router, audio.router):
         app.include_router(endpoints)
     _install_error_handlers(app)
     install_openapi(app, _model_facts(state))
     app.add_middleware(Gate, state=state)
     return app
+
+
+def _install_swagger_ui(app: FastAPI) -> None:
+    """/docs: Swagger UI from the swagger-ui-bundle package, so that it works offline (FastAPI's own
+    fetches its scripts from a CDN)."""
+    app.mount("/docs/static", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - Swagger UI",
+                                   oauth2_redirect_url="/docs/oauth2-redirect",
+                                   swagger_js_url="/docs/static/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs/static/swagger-ui.css",
+                                   swagger_favicon_url="/docs/static/favicon-32x32.png")
+
+    @app.get("/docs/oauth2-redirect", include_in_schema=False)
+    async def swagger_ui_redirect() -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()
 
 
 def _model_facts(state: ServerState) -> ModelFacts:

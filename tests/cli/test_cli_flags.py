@@ -218,3 +218,17 @@ def test_fp16_is_openai_whispers(capsys, monkeypatch):
     assert _dtype(parse("transcribe", "a.wav", "--fp16", "False")) == "float32"
     assert _dtype(parse("transcribe", "a.wav", "--dtype", "bfloat16")) == "bfloat16"
     assert capsys.readouterr().err == ""
+
+
+def test_an_empty_file_and_a_bad_choice_are_one_line_each(no_engine, tmp_path, capsys):
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(b"")
+    assert main(["transcribe", str(empty), "--quiet", "-o", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"error: {empty}: the file is empty (0 bytes)",
+                                                     "error: no readable audio file among 1"]
+    with pytest.raises(SystemExit) as e:  # it used to print the whole 50-line usage above the error
+        main(["transcribe", CLIP, "-f", "docx"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: encdec transcribe: argument --output-format/-f: invalid choice: 'docx' (choose from 'txt', 'vtt', "
+        "'srt', 'tsv', 'json', 'all') (see encdec transcribe --help)"]

@@ -760,3 +760,17 @@ def test_per_request_cpu_work_runs_off_the_event_loop(whisper_server, monkeypatc
             timestamp_granularities=["word"])
     assert got.words and len(on_loop) >= 4
     assert not any(on_loop), on_loop
+
+
+def test_swagger_ui_is_served_from_the_package_offline(whisper_server):
+    """/docs used to fetch Swagger UI's scripts from a CDN (a blank page offline); its page now names only
+    this server's own URLs, and they answer."""
+    with whisper_server.http() as http:
+        page = http.get("/docs").text
+        assets = re.findall(r"""(?:src|href)=['"]([^'"]+)['"]""", page)
+        assert assets and all(a.startswith("/docs/static/") for a in assets), assets
+        assert "cdn" not in page.lower() and "/openapi.json" in page
+        for asset in assets:
+            r = http.get(asset)
+            assert r.status_code == 200 and len(r.content) > 500, asset
+        assert http.get("/docs/oauth2-redirect").status_code == 200
