@@ -67,7 +67,7 @@ def transcribe(audio: str | Iterable[str] = (), model: str | None = None, *, man
     job = Job("transcribe", inputs, local_model(model, address), engine or {},
               dict(language=language, task=task, **options), batch_size)
     outputs = Outputs(_str(results), resume, write, complete, progress, unit="file")
-    return _finish(job, _cluster(address, num_workers, threads_per_worker), outputs, stream)
+    return _finish(job, _cluster(address, num_workers, threads_per_worker, quiet=not progress), outputs, stream)
 
 
 def summarize(files: str | Iterable[str] = (), model: str | None = None, *, manifest: str | Path | None = None,
@@ -83,7 +83,7 @@ def summarize(files: str | Iterable[str] = (), model: str | None = None, *, mani
     inputs = text_inputs([files] if isinstance(files, str) else files, manifest)
     job = Job("summarize", inputs, local_model(model, address), engine or {}, overrides, batch_size,
               limits={"max_document_bytes": max_document_bytes})
-    return _finish(job, _cluster(address, num_workers, threads_per_worker),
+    return _finish(job, _cluster(address, num_workers, threads_per_worker, quiet=not progress),
                    Outputs(_str(results), resume, progress=progress), stream)
 
 
@@ -97,7 +97,7 @@ def generate(prompt_file: str | Path, model: str | None = None, *, results: str 
         raise ValueError("generate needs a model (a checkpoint folder)")
     job = Job("generate", prompt_inputs(prompt_file, params), local_model(model, address), engine or {}, {},
               batch_size)
-    return _finish(job, _cluster(address, num_workers, threads_per_worker),
+    return _finish(job, _cluster(address, num_workers, threads_per_worker, quiet=not progress),
                    Outputs(_str(results), resume, progress=progress, unit="prompt"), stream)
 
 
@@ -122,8 +122,8 @@ def local_model(model: str | None, address: str | None) -> str | None:
     return model
 
 
-def _cluster(address: str | None, num_workers: int | None, threads_per_worker: int) -> ClusterOptions:
-    return ClusterOptions(address, num_workers, threads_per_worker)
+def _cluster(address: str | None, num_workers: int | None, threads_per_worker: int, quiet: bool) -> ClusterOptions:
+    return ClusterOptions(address, num_workers, threads_per_worker, quiet=quiet)
 
 
 def _str(path: str | Path | None) -> str | None:

@@ -29,6 +29,7 @@ class ClusterOptions:
     num_workers: int | None = None  # engines (actors or replicas); None: as many as the cluster's CPUs hold
     threads_per_worker: int = 1  # torch threads of each engine, and the CPUs Ray reserves for it
     log_to_driver: bool = True  # workers' stdout and stderr show on the driver's
+    quiet: bool = False  # Ray's own log lines below errors are left out, and the workers' output
 
     def __post_init__(self) -> None:
         if self.num_workers is not None and self.num_workers < 1:
@@ -56,8 +57,10 @@ def connect(options: ClusterOptions) -> Iterator[int]:
     ray = import_ray()
     started = False
     if not ray.is_initialized():
-        init: dict[str, Any] = dict(include_dashboard=False, log_to_driver=options.log_to_driver,
-                                    logging_level=logging.WARNING)
+        level = logging.ERROR if options.quiet else logging.WARNING
+        logging.getLogger("ray").setLevel(level)  # before init: its own set-up logs too
+        init: dict[str, Any] = dict(include_dashboard=False, log_to_driver=options.log_to_driver and not options.quiet,
+                                    logging_level=level)
         if options.address == "local" or (options.address is None and not os.environ.get("RAY_ADDRESS")):
             workers = options.num_workers or max(1, (os.cpu_count() or 1) // options.threads_per_worker)
             init.update(num_cpus=workers * options.threads_per_worker, object_store_memory=LOCAL_OBJECT_STORE_BYTES)

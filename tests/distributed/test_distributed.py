@@ -334,3 +334,16 @@ def test_an_input_that_kills_its_worker_gets_an_error_row_and_the_rest_are_writt
     expected = {t.source: t.text for t in make_llm(default_model_path(), **SMALL_KV).transcribe(paths[:3] + paths[4:])}
     assert {r["id"]: r["text"] for r in rows if r["error"] is None} == expected
     assert Counter(r["id"] for r in read_rows(out / "results.jsonl")) == Counter(paths)
+
+
+def test_quiet_on_ray_prints_nothing_but_the_results(bart_path, tmp_path):
+    """`--quiet --ray` used to print Ray's own warnings (token authentication, ...) and log lines; now a job
+    that succeeds writes its results and nothing on stderr."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"The council met."\n"It rained."\n')
+    results = tmp_path / "results.jsonl"
+    done = subprocess.run([sys.executable, "-m", "encdec_engine.cli", "generate", str(prompts), "--model", str(bart_path),
+                           "--ray", "--num-workers", "1", "--max-tokens", "4", "--kv-cache-space-gb", "0.05",
+                           "--results", str(results), "--quiet"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stderr == "" and done.stdout == "", done.stderr
+    assert len(read_rows(results)) == 2
