@@ -87,7 +87,7 @@ def commands(args, audio: Path, out: Path) -> dict[str, tuple[list[str], Path]]:
     """Each system's command line and the file its transcript lands in."""
     def engine(name: str, *extra: str) -> tuple[list[str], Path]:
         folder = out / name
-        return ([sys.executable, "-m", "encdec_engine.cli.main", "transcribe", str(audio), "--language", "en",
+        return ([sys.executable, "-m", "encdec_engine.cli", "transcribe", str(audio), "--language", "en",
                  "--threads", str(args.threads), "-o", str(folder), "--output-format", "txt", *extra],
                 folder / f"{audio.stem}.txt")
 
@@ -127,11 +127,24 @@ def main() -> int:
     return 0
 
 
+def timed_run(cmd: list[str], env: dict) -> tuple[float, float, int, str]:
+    """(wall seconds from spawn to exit, peak resident MB, exit code, stderr) of one process."""
+    with tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        return wall, usage.ru_maxrss / 1024, proc.returncode, err.read()
+
+
 def run_file(args, audio, out: Path) -> None:
     """Every system on one recording, in turn for `args.rounds` rounds; then the engine's phases."""
     out.mkdir()
     rows = commands(args, audio.path, out)
     walls: dict[str, list[float]] = {name: [] for name in rows}
+    peaks: dict[str, list[float]] = {name: [] for name in rows}  # MB
     texts: dict[str, str] = {}
     failed: set[str] = set()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
@@ -139,28 +152,30 @@ def run_file(args, audio, out: Path) -> None:
         for name, (cmd, file) in rows.items():
             if name in failed:
                 continue
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            wall = time.perf_counter() - start
-            if proc.returncode != 0:
-                print(f"{name}: failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1][:200]}")
+            wall, rss, code, stderr = timed_run(cmd, env)
+            if code != 0:
+                print(f"{name}: failed: {(stderr.strip().splitlines() or ['no output'])[-1][:200]}")
                 failed.add(name)
                 continue
             walls[name].append(wall)
+            peaks[name].append(rss)
             texts[name] = file.read_text()
     phases = subprocess.run([sys.executable, "-c", PHASES_SCRIPT, str(audio.path), str(args.threads), "int8"],
                             env=env, capture_output=True, text=True, check=True)
 
     print(f"\n{audio.path.name}: {audio.seconds:.1f} s of audio; each system a fresh process, spawn to exit; greedy, "
           f"language en; best and median of {args.rounds} rounds")
-    print(f"{'system':<40}{'best s':>8}{'median s':>10}{'x fw int8':>11}{'WER %':>7}")
+    print(f"{'system':<40}{'best s':>8}{'median s':>10}{'x fw int8':>11}{'peak MB':>9}{'x fw RSS':>10}{'WER %':>7}")
     reference = min(walls.get("faster-whisper int8") or [float("nan")])
+    reference_rss = max(peaks.get("faster-whisper int8") or [float("nan")])
     for name, w in walls.items():
         if name in failed:
             continue
-        print(f"{name:<40}{min(w):8.2f}{statistics.median(w):10.2f}{reference / min(w):11.2f}"
-              f"{wer([audio.text], [texts[name]]):7.2f}")
-    print("x fw int8: faster-whisper int8's best wall time over the row's (above 1: the row is faster)")
+        rss = max(peaks[name])
+        print(f"{name:<40}{min(w):8.2f}{statistics.median(w):10.2f}{reference / min(w):11.2f}{rss:9.0f}"
+              f"{rss / reference_rss:10.2f}{wer([audio.text], [texts[name]]):7.2f}")
+    print("x fw int8: faster-whisper int8's best wall time over the row's (above 1: the row is faster); peak MB: "
+          "the process's largest resident set; x fw RSS: over faster-whisper int8's")
     print("\nencdec (int8), one instrumented process:")
     split = json.loads(phases.stdout.strip().splitlines()[-1])
     for name, seconds in split["phases"]:
