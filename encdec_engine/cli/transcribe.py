@@ -103,7 +103,7 @@ def check_language_for_model(args: argparse.Namespace, model_path: str | None, l
         raise ValueError(f"{args.model} is English-only: it cannot translate; use a multilingual model")
 
 
-def _dtype(args: argparse.Namespace) -> str:
+def transcribe_dtype(args: argparse.Namespace) -> str:
     """openai-whisper's --fp16: float16 on CUDA; on the CPU it is ignored with a warning, as there."""
     if args.fp16 is None:
         return args.dtype
@@ -164,7 +164,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     from encdec_engine.llm import LLM  # lazy: torch and the engine (1.2 s), after the files were checked
     from encdec_engine.speech.offline import stream_transcriptions  # lazy: likewise
 
-    llm = LLM(model=model, **dict(engine_kwargs(args), dtype=_dtype(args)))
+    llm = LLM(model=model, **dict(engine_kwargs(args), dtype=transcribe_dtype(args)))
     logging.getLogger(__name__).info("%s", llm.engine.describe())
     failed, written = dict(plan.bad), 0
     several = len(plan.files) > 1

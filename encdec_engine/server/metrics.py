@@ -34,7 +34,7 @@ class Metrics:
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
             out.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-            out.extend(f"{name}{labels} {_number(value)}" for labels, value in samples)
+            out.extend(f"{name}{labels} {prometheus_number(value)}" for labels, value in samples)
 
         metric("encdec_engine_up", "gauge", "1 while the engine thread runs", [("", float(engine.is_running))])
         metric("encdec_requests_waiting", "gauge", "Requests in the engine's waiting queue", [("", s.num_waiting)])
@@ -71,11 +71,11 @@ class Metrics:
                 le = "+Inf" if bound == math.inf else f"{bound:g}"
                 out.append(f'encdec_request_latency_seconds_bucket{{endpoint="{endpoint}",le="{le}"}} {count}')
             out.append(f'encdec_request_latency_seconds_sum{{endpoint="{endpoint}"}} '
-                       f'{_number(self.latency_sum[endpoint])}')
+                       f'{prometheus_number(self.latency_sum[endpoint])}')
             out.append(f'encdec_request_latency_seconds_count{{endpoint="{endpoint}"}} {counts[-1]}')
         return "\n".join(out) + "\n"
 
 
-def _number(value: float) -> str:
+def prometheus_number(value: float) -> str:
     """Exact Prometheus sample text: integers in full (no 1.23e+06), floats round-trip."""
     return str(int(value)) if float(value).is_integer() else repr(float(value))

@@ -209,14 +209,14 @@ def test_fp16_is_openai_whispers(capsys, monkeypatch):
     """--fp16 True: float16 on CUDA; on the CPU openai-whisper warns and runs float32, as here. Unset: --dtype."""
     import torch
 
-    from encdec_engine.cli.transcribe import _dtype
+    from encdec_engine.cli.transcribe import transcribe_dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _dtype(parse("transcribe", "a.wav", "--fp16", "True")) == "float32"
+    assert transcribe_dtype(parse("transcribe", "a.wav", "--fp16", "True")) == "float32"
     assert capsys.readouterr().err == "warning: --fp16 is not supported on the CPU; using float32 instead\n"
-    assert _dtype(parse("transcribe", "a.wav", "--fp16", "True", "--device", "cuda")) == "float16"
-    assert _dtype(parse("transcribe", "a.wav", "--fp16", "False")) == "float32"
-    assert _dtype(parse("transcribe", "a.wav", "--dtype", "bfloat16")) == "bfloat16"
+    assert transcribe_dtype(parse("transcribe", "a.wav", "--fp16", "True", "--device", "cuda")) == "float16"
+    assert transcribe_dtype(parse("transcribe", "a.wav", "--fp16", "False")) == "float32"
+    assert transcribe_dtype(parse("transcribe", "a.wav", "--dtype", "bfloat16")) == "bfloat16"
     assert capsys.readouterr().err == ""
 
 

@@ -390,9 +390,9 @@ def test_retrieve_model(bart_server):
 
 
 def test_metric_samples_are_exact():
-    from encdec_engine.server.metrics import _number
+    from encdec_engine.server.metrics import prometheus_number
 
-    assert [_number(v) for v in (1234567, 1234567.0, 0.25, 3.0000001)] == ["1234567", "1234567", "0.25", "3.0000001"]
+    assert [prometheus_number(v) for v in (1234567, 1234567.0, 0.25, 3.0000001)] == ["1234567", "1234567", "0.25", "3.0000001"]
 
 
 def test_translations_report_english():
