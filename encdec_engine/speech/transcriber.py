@@ -1,13 +1,28 @@
-"""One input's transcription as a series of engine requests, for any driver.
+"""The window loop: one input's transcription as a series of engine requests, for any driver.
+
+This is openai-whisper's `transcribe()` loop turned inside out for continuous batching: where
+openai-whisper calls the model, a step here returns the engine request it needs, and the driver hands
+the finished output to the next step. So the windows of every input in flight (a window's fallback
+samples, a chunked input's chunks) share the engine's batches. Beside openai-whisper's transcribe.py:
+
+    openai-whisper's transcribe()                    here
+    mel = log_mel_spectrogram(audio, N_SAMPLES)      WindowPlanner.load_many (+ VAD, clips, chunks)
+    detect_language(model, mel_segment)              the detection request, before the first window
+    while clip_idx < len(seek_clips): seek = ...     WindowPlanner.advance
+    mel_segment = mel[:, seek : seek + size]         WindowPlanner.window_features
+    decode_options["prompt"] = all_tokens[...]       Transcriber.next_request (prompts.py, requests.py)
+    decode_with_fallback(mel_segment)                _take_decode: the best candidate (ranking.py),
+                                                     judged (fallback.py), decoded again hotter
+    if should_skip: seek += segment_size             _take_decode: silence
+    consecutive timestamps -> segments, seek         ResultAssembler.decoded_window (assembly.py)
+    add_word_timestamps(...); seek to the last word  _take_words, after the alignment request
+    hallucination_silence_threshold                  _take_words (hallucinations.py)
+    all_segments, all_tokens, prompt_reset_since     _keep
 
 Audio up to 30 s is one window, decoded exactly as HF `generate` does (features of the zero-padded
-30 s window). Longer audio follows openai-whisper: sequential 30 s windows that seek to the last
-timestamp token, each conditioned on the text kept so far, with temperature fallback when the
-compression ratio or the mean log-probability says a window failed, and silent windows skipped.
-
-A driver (`offline.transcribe_offline` over `LLMEngine.step`, `async_driver.transcribe_async` over
-`AsyncLLMEngine`) runs the protocol below; the windows of all the jobs in flight share the
-engine's batches.
+30 s window); longer audio, and any input with clips, VAD or the hallucination rules, takes
+openai-whisper's windows. A driver (`offline.transcribe_offline` over `LLMEngine.step`,
+`async_driver.transcribe_async` over `AsyncLLMEngine`) runs this protocol:
 
     job = load(index, audio)
     ready = start(job)                      # the jobs that need a request now
@@ -16,35 +31,40 @@ engine's batches.
         ready = take(job, finished output)  # [] when the job is done
     result(job)                             # -> Transcription
 
-"Detect the language once, then fan the chunks out" is decided here, in `_ready`, and nowhere else:
-a multilingual checkpoint's job first decodes one language-detection request; once its language
-is known, a chunked input splits into its chunk jobs, which then run at once.
+Only this module writes a job's fields (job.py declares them; prompts.py's `after_window` sets
+`prompt_reset`, the conditioning rule `_keep` applies). The request and segment helpers read them.
 """
 
 from __future__ import annotations
 
+import math
+
 from encdec_engine.checkpoints.whisper_tokens import WhisperTokens, language_code
+from encdec_engine.inputs.audio import FRAMES_PER_SECOND
 from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.speech.assembly import ResultAssembler
-from encdec_engine.speech.fallback import Verdict
+from encdec_engine.speech.assembly import ResultAssembler, clamp_words
+from encdec_engine.speech.fallback import Verdict, judge
+from encdec_engine.speech.hallucinations import cut_hallucinations
 from encdec_engine.speech.job import DecodedWindow, TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.ranking import best_candidate
 from encdec_engine.speech.requests import WindowRequests
 from encdec_engine.speech.results import Transcription
 from encdec_engine.speech.windows import WindowPlanner
+from encdec_engine.speech.word_timestamps import add_word_timestamps, find_alignment, last_word_end, speech_end
 
 
 class Transcriber:
-    """Moves jobs from one request to the next with its three pieces: the window planner, the
-    request builder and the result assembler. Holds no job state itself."""
+    """The loop over one call's jobs: turns each job into its next engine request and takes the finished
+    output back. Holds the call's options and tokens; each job holds its own progress."""
 
     def __init__(self, engine, options: TranscribeOptions) -> None:
         if getattr(engine.model, "num_mel_bins", None) is None:
             raise ValueError("transcribe needs a Whisper checkpoint")
         self.options = options
         self.tokens = WhisperTokens.from_configs(engine.hf_config, engine.generation_config)
+        self.tokenizer = engine.tokenizer
         self.planner = WindowPlanner(options, engine.model.num_mel_bins)
         self.requests = WindowRequests(engine, options, self.tokens)
         self.assembler = ResultAssembler(options, self.tokens, engine.tokenizer)
@@ -53,70 +73,123 @@ class Transcriber:
         if options.language is not None:
             self.language = language_code(options.language)
 
+    # The driver protocol.
+
     def load(self, index: int, item) -> TranscriptionJob:
         """Read one input (path, bytes, array, or (samples, rate)); a bad one gets `error` set."""
-        return self.planner.load(index, item, self.language)
+        return self.planner.load_many([(index, item)], self.language)[0]
 
     def load_many(self, pairs: list[tuple[int, object]]) -> list[TranscriptionJob]:
         """Read (index, input) pairs at once: the VAD, when asked for, runs on all of them together."""
         return self.planner.load_many(pairs, self.language)
 
     def start(self, job: TranscriptionJob) -> list[TranscriptionJob]:
-        """The jobs of a loaded input that need a request first (none for a bad input, or one whose
-        clips hold no audio)."""
+        """The jobs of a loaded input that need a request first (none for a bad input, or one whose clips
+        hold no audio)."""
         return [] if job.error is not None or job.done else self._ready(job)
 
     def next_request(self, job: TranscriptionJob) -> tuple[dict, SamplingParams]:
-        """The engine request (prompt, params) for the job's current window."""
+        """The engine request (prompt, params) for the job's current window: language detection, its
+        decode at the current temperature, or the alignment of its words (requests.py)."""
         return self.requests.build(job, self.planner.window_features(job))
 
     def take(self, job: TranscriptionJob, out: RequestOutput) -> list[TranscriptionJob]:
-        """Fold the job's finished request in. Returns the jobs that need a request next: the job
-        itself, none once it is done, or, after the language is detected, the input's chunks."""
+        """Fold the job's finished request in. Returns the jobs that need a request next: the job itself,
+        none once it is done, or, after the language is detected, the input's chunks."""
         if out.error is not None:  # the request failed in the engine: its tokens are no window's decode
             raise RuntimeError(f"transcribing input {job.index} failed: {out.error}")
         if job.language is None:  # that was language detection
             job.language = self.tokens.language_of(out.outputs[0].token_ids[0]) or "en"
             return self._ready(job)
-        return [job] if self._take_window(job, out) else []
+        more = self._take_words(job, out) if job.pending is not None else self._take_decode(job, out)
+        return [job] if more else []
 
     def result(self, job: TranscriptionJob) -> Transcription:
         """The transcript of a loaded input once none of its jobs needs a request."""
         return self.assembler.result(job)
 
+    def release(self, job: TranscriptionJob) -> None:
+        """The input is done: its audio and log-mel (and its chunks') are dropped."""
+        for j in (job, *job.parts):
+            j.samples, j.mel = None, None
+
+    # The loop's steps, in openai-whisper's order.
+
     def _ready(self, job: TranscriptionJob) -> list[TranscriptionJob]:
-        # The language is detected once per input, on its first window; then its chunks fan out.
+        # "Detect the language once, then fan the chunks out" is decided here and nowhere else: a
+        # multilingual checkpoint's job first decodes one detection request; then its chunks run at once.
         return [job] if job.language is None else self.planner.split(job)
 
-    def _take_window(self, job: TranscriptionJob, out: RequestOutput) -> bool:
-        """Take a decode or alignment request's output; True if the job needs another request."""
-        if job.pending is not None:  # the words of a decoded window
-            window, job.pending = job.pending, None
-            window = self.assembler.align(job, window, out, len(self.requests.alignment_prefix(job)))
-            if window is None:  # dropped as a hallucination; `seek` is past it
-                return self.planner.advance(job)
-            self._commit(job, window)
-            return self.planner.next_window(job)
-        temperature = self.options.temperatures[job.temperature_index]
+    def _take_decode(self, job: TranscriptionJob, out: RequestOutput) -> bool:
+        """A window's decode: retried hotter while it fails (decode_with_fallback), skipped as silence,
+        else cut into segments, kept, or first sent to have its words aligned. Whether the job needs
+        another request."""
         forced = self.requests.prompts.forced(job)
         chosen = best_candidate(out, self.tokens.eot, self.options.length_penalty)
         quality = self.assembler.quality(chosen, forced, out.probes.no_speech_prob)  # every decode asks for it
-        verdict = self.requests.fallback(job, quality)
-        if verdict is Verdict.RETRY:
+        verdict = judge(quality, self.options, job.temperature_index)
+        if verdict is Verdict.RETRY:  # the same window, at the next temperature
+            job.temperature_index += 1
             return True
-        if verdict is Verdict.SKIP:  # no segment, nothing conditions the next window
-            return self.planner.skip_window(job)
-        window = self.assembler.decoded_window(job, forced + chosen.tokens, self.planner.window_frames(job),
-                                               temperature, quality)
+        temperature = self.options.temperatures[job.temperature_index]
+        job.temperature_index, job.window = 0, job.window + 1  # the next window starts at the first temperature
+        frames = self.planner.window_frames(job)
+        if verdict is Verdict.SKIP:  # silence: no segment, nothing conditions the next window
+            job.seek += frames
+            return self._next_window(job)
+        window = self.assembler.decoded_window(job, forced + chosen.tokens, frames, temperature, quality)
         if self.options.aligns_words:
             if self.requests.can_align(job, window):
                 job.pending = window  # the next request aligns its words
                 return True
             for seg in window.segments:
                 seg.words = []
-        self._commit(job, window)
-        return self.planner.next_window(job)
+        return self._keep(job, window)
 
-    def _commit(self, job: TranscriptionJob, window: DecodedWindow) -> None:
-        self.assembler.commit(job, window)
+    def _take_words(self, job: TranscriptionJob, out: RequestOutput) -> bool:
+        """The pending window's words, from the alignment request's cross-attention and token probabilities
+        (word_timestamps.py); then seek to the last word, and the hallucination rules, which may end the
+        window early or drop it as if never decoded."""
+        window, job.pending = job.pending, None
+        prefix_len = len(self.requests.alignment_prefix(job))
+        text = window.text_tokens(self.tokens.eot)
+        probs = [math.exp(out.probes.prompt_logprobs[prefix_len + k][t]) for k, t in enumerate(text)]
+        alignment = find_alignment(out.probes.cross_attentions, probs, text, prefix_len, window.num_frames,
+                                   self.tokenizer, self.tokens.eot, job.language)
+        add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset, job.last_speech,
+                            self.options.prepend_punctuations, self.options.append_punctuations)
+        clamp_words(window.segments, self.assembler.end_of_audio(job))
+        end = last_word_end(window.segments)
+        if (self.options.word_timestamps and job.long_form and not window.single_ending and end is not None
+                and end > window.offset):
+            window.seek = round(end * FRAMES_PER_SECOND)  # openai-whisper: seek to the last word's end
+        threshold = self.options.hallucination_silence_threshold
+        if threshold is not None:
+            cut = cut_hallucinations(window.segments, threshold, job.seek, window.num_frames, window.single_ending,
+                                     job.last_speech, job.num_frames)
+            if cut.discard:  # as if never decoded: no segment, the last speech stays
+                job.seek = cut.seek
+                return self._next_window(job)
+            del window.segments[cut.keep :]
+            if cut.seek is not None:
+                window.seek = cut.seek
+        return self._keep(job, window)
+
+    def _keep(self, job: TranscriptionJob, window: DecodedWindow) -> bool:
+        """The window's segments kept and `seek` moved past it. As openai-whisper and faster-whisper: an
+        instantaneous or empty segment is dropped, and only kept segments' tokens condition later windows,
+        unless the window resets the prompt."""
+        for seg in window.segments:
+            if seg.text.strip() and seg.start != seg.end:
+                seg.id = len(job.segments)
+                job.segments.append(seg)
+                job.tokens.extend(seg.tokens)
+        job.seek = window.seek
+        if self.options.aligns_words and window.segments:  # the last speech: its last word, or segment
+            job.last_speech = speech_end(window.segments)
         self.requests.prompts.after_window(job, window.temperature)
+        return self._next_window(job)
+
+    def _next_window(self, job: TranscriptionJob) -> bool:
+        """Once a window is taken (`seek` past it): whether the job has another (long-form only)."""
+        return job.long_form and self.planner.advance(job)

@@ -107,15 +107,6 @@ class WindowPlanner:
             job.seek = job.clips[job.clip_index][0] if job.clip_index < len(job.clips) else job.seek
         return False
 
-    def next_window(self, job: TranscriptionJob) -> bool:
-        """Once a window is taken (`seek` past it): whether the job has another (long-form only)."""
-        return job.long_form and self.advance(job)
-
-    def skip_window(self, job: TranscriptionJob) -> bool:
-        """Skip the current window (silence: no segment); whether the job has another."""
-        job.seek += self.window_frames(job)
-        return self.next_window(job)
-
     @staticmethod
     def window_frames(job: TranscriptionJob) -> int:
         """Mel frames of audio the current window covers."""
