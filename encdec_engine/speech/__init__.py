@@ -1,17 +1,22 @@
 """The speech pipeline: audio in, timed text out, through the model-agnostic engine.
 
-    audio.py, features.py      loading (any format, 16 kHz mono) and the Whisper log-mel
-    windows.py, chunking.py    which 30 s windows are decoded: clips, seeking, quiet-point chunks
-    requests.py, fallback.py   each window's engine request, and temperature fallback
+    transcriber.py, job.py     the window loop (openai-whisper's transcribe(), as engine requests): audio,
+                               clips and seek; decode, temperature fallback, silence; words, hallucination
+                               cuts; conditioning. job.py declares the per-input state only the loop moves
+    requests.py, prompts.py    each window's engine request, and its decoder prompt
     timestamp_rules.py         the timestamp logits processor those requests carry
-    assembly.py                segments from tokens, words (word_timestamps.py), hallucination
-                               cuts (hallucinations.py), the Transcription
-    transcriber.py, job.py     one input as a series of requests, for any driver
+    ranking.py, fallback.py    which candidate a window keeps; kept, retried hotter, or silence
+    assembly.py                segments from a window's tokens, and the Transcription
+    word_timestamps.py         word times from the cross-attention (DTW); hallucinations.py judges them
+    chunking.py                quiet-point cuts of long audio (chunked mode)
+    vad.py, vad_options.py     Silero VAD, batched; timeline.py maps joined-speech times back
+    inputs.py                  inputs read as they are needed, within the audio budget
     offline.py, async_driver.py  the drivers: LLMEngine.step (LLM.transcribe) and AsyncLLMEngine (server)
     options.py, results.py     TranscribeOptions in; Transcription, Segment, Word out
+    writers.py, subtitles.py   txt / vtt / srt / tsv / json files, and subtitle cues
 
-The engine core (engine/, worker/, attention/, models/, layers/) never imports this package;
-inputs/ uses audio.py and features.py for the audio prompt format.
+The engine core (engine/, worker/, attention/, models/, layers/) never imports this package; audio
+loading and the log-mel (inputs/audio.py, inputs/features.py) sit below it, in inputs/.
 """
 
 from encdec_engine.speech.options import TranscribeOptions

@@ -1,26 +1,22 @@
-"""Result assembly: a window's tokens cut into timed segments, its words timed and hallucinations
-cut, the segments kept committed to the job, and the job (or its chunks, in order) made into a
-`Transcription`."""
+"""Result assembly: a window's tokens cut into timed segments (openai-whisper's consecutive timestamps),
+what the fallback rules judge it by, and a finished job (or its chunks, in order) made into a
+`Transcription`. Reads a job, never writes it: the loop (transcriber.py) keeps what it decides."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from encdec_engine.checkpoints.whisper_tokens import TIME_PRECISION, WhisperTokens
-from encdec_engine.outputs import RequestOutput
 from encdec_engine.inputs.audio import FRAMES_PER_SECOND, INPUT_STRIDE
 from encdec_engine.speech.fallback import WindowQuality, compression_ratio
-from encdec_engine.speech.hallucinations import cut_hallucinations
 from encdec_engine.speech.job import DecodedWindow, TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.ranking import Candidate
 from encdec_engine.speech.results import Segment, Transcription
-from encdec_engine.speech.word_timestamps import add_word_timestamps, find_alignment, last_word_end, speech_end
 
 
 class ResultAssembler:
-    """Turns finished window requests into a job's segments, and a job into its Transcription."""
+    """A window's tokens into segments, and a job into its Transcription, with the call's tokenizer."""
 
     def __init__(self, options: TranscribeOptions, tokens: WhisperTokens, tokenizer) -> None:
         self.options = options
@@ -80,55 +76,13 @@ class ResultAssembler:
             return job.clips[job.clip_index][1] / FRAMES_PER_SECOND
         return job.num_frames / FRAMES_PER_SECOND
 
-    def align(self, job: TranscriptionJob, window: DecodedWindow, out: RequestOutput,
-              prefix_len: int) -> DecodedWindow | None:
-        """Give the window's segments their words from the alignment request's output (its prompt
-        ran prefix_len tokens before the text), seek to the last word, and apply the hallucination
-        rules. None: the window is dropped as if never decoded, and `job.seek` is where to go on."""
-        text = window.text_tokens(self.tokens.eot)
-        probs = [math.exp(out.probes.prompt_logprobs[prefix_len + k][t]) for k, t in enumerate(text)]
-        alignment = find_alignment(out.probes.cross_attentions, probs, text, prefix_len, window.num_frames,
-                                   self.tokenizer, self.tokens.eot, job.language)
-        add_word_timestamps(window.segments, alignment, self.tokens.eot, window.offset, job.last_speech,
-                            self.options.prepend_punctuations, self.options.append_punctuations)
-        clamp_words(window.segments, self.end_of_audio(job))
-        end = last_word_end(window.segments)
-        if (self.options.word_timestamps and job.long_form and not window.single_ending and end is not None
-                and end > window.offset):
-            window.seek = round(end * FRAMES_PER_SECOND)  # openai-whisper: seek to the last word's end
-        threshold = self.options.hallucination_silence_threshold
-        if threshold is not None:
-            cut = cut_hallucinations(window.segments, threshold, job.seek, window.num_frames, window.single_ending,
-                                     job.last_speech, job.num_frames)
-            if cut.discard:  # as if never decoded: no segments, the last speech stays
-                job.seek = cut.seek
-                return None
-            del window.segments[cut.keep :]
-            if cut.seek is not None:
-                window.seek = cut.seek
-        return window
-
-    def commit(self, job: TranscriptionJob, window: DecodedWindow) -> None:
-        """Keep the window's segments and move `seek` past it. As openai-whisper and faster-whisper:
-        an instantaneous or empty segment is dropped, and only kept segments' tokens condition the
-        next window."""
-        for seg in window.segments:
-            if seg.text.strip() and seg.start != seg.end:
-                seg.id = len(job.segments)
-                job.segments.append(seg)
-                job.tokens.extend(seg.tokens)
-        job.seek = window.seek
-        if self.options.aligns_words and window.segments:  # the last speech: its last word, or segment
-            job.last_speech = speech_end(window.segments)
-
     def result(self, job: TranscriptionJob) -> Transcription:
         """The input's transcript: its segments, or its chunks' segments in order (renumbered), with
         VAD mapped from the joined speech back onto the input's timeline."""
         if job.error is not None:
             return Transcription("", None, [], 0.0, job.source, error=job.error, index=job.index)
-        if job.parts:
-            job.segments = [seg for part in job.parts for seg in part.segments]
-            for i, seg in enumerate(job.segments):
+        if job.parts:  # each chunk numbered its own segments
+            for i, seg in enumerate(seg for part in job.parts for seg in part.segments):
                 seg.id = i
         segments = [seg for part in job.parts or [job] for seg in self.on_timeline(job, part.part, part.segments)]
         duration = job.duration if job.speech is None else job.speech.duration

@@ -75,8 +75,6 @@ class InputQueue:
                 self.held[job.index] = job.duration  # what it really holds
         return jobs
 
-    def release(self, job: TranscriptionJob) -> None:
-        """An input is done: its audio and log-mel (and its chunks') are dropped, its seconds freed."""
-        self.held.pop(job.index, None)
-        for j in (job, *job.parts):
-            j.samples, j.mel = None, None
+    def release(self, index: int) -> None:
+        """An input is done (the loop drops its audio: `Transcriber.release`): its seconds are freed."""
+        self.held.pop(index, None)

@@ -1,6 +1,6 @@
-"""The state of one input's transcription, shared by the window planner, the request builder and the
-result assembler: where the input has got to (`TranscriptionJob`), and a decoded window waiting for
-its words to be aligned (`DecodedWindow`). Plain data: the pieces that move it live elsewhere."""
+"""The state of one input's transcription: where the input has got to (`TranscriptionJob`), and a decoded
+window waiting for its words to be aligned (`DecodedWindow`). Plain data, declared apart from the loop
+so that the request and segment helpers can read it; the loop (transcriber.py) alone moves it."""
 
 from __future__ import annotations
 

@@ -127,7 +127,8 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
         update = TranscriptionUpdate(job.index, feed.new(job), transcriber.result(job), job.language, job.duration)
         roots.pop(job.index, None)
         feed.forget(job)
-        inputs.release(job)
+        inputs.release(job.index)
+        transcriber.release(job)
         return update
 
     def read_more() -> list[TranscriptionUpdate]:

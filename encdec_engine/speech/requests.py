@@ -1,5 +1,4 @@
-"""Decoding requests: the engine request for a job's current window, and the temperature it is
-decoded at.
+"""The engine request for a job's current window, at the temperature the loop (transcriber.py) has got to.
 
 A window's request is one of three:
 
@@ -19,7 +18,6 @@ from __future__ import annotations
 from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.inputs.audio import INPUT_STRIDE
-from encdec_engine.speech.fallback import Verdict, WindowQuality, judge
 from encdec_engine.speech.job import DecodedWindow, TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.prompts import WindowPrompts
@@ -28,8 +26,8 @@ from encdec_engine.speech.word_timestamps import alignment_heads
 
 
 class WindowRequests:
-    """Builds each window's engine request from the options and the checkpoint's generation config,
-    and moves a job's temperature after each decode (openai-whisper's fallback)."""
+    """Builds each window's engine request from the options and the checkpoint's generation config.
+    Reads a job, never writes it."""
 
     def __init__(self, engine, options: TranscribeOptions, tokens: WhisperTokens) -> None:
         self.options = options
@@ -79,17 +77,6 @@ class WindowRequests:
         text = window.text_tokens(self.tokens.eot)
         fits = len(self.alignment_prefix(job)) + len(text) + 1 <= self.max_decoder_len
         return bool(text) and fits and window.num_frames // INPUT_STRIDE >= 2
-
-    def fallback(self, job: TranscriptionJob, quality: WindowQuality) -> Verdict:
-        """Judge a decoded window and set the temperature of the job's next decode: the next one on
-        RETRY, else the first (for the next window)."""
-        verdict = judge(quality, self.options, job.temperature_index)
-        if verdict is Verdict.RETRY:
-            job.temperature_index += 1
-        else:
-            job.temperature_index = 0
-            job.window += 1
-        return verdict
 
     def _decode_params(self, job: TranscriptionJob, prompt_len: int, forced: list[int]) -> SamplingParams:
         """Every candidate comes back (n = best_of samples, or every beam) with its summed

@@ -68,7 +68,7 @@ def test_bad_options_name_the_problem(options, match):
 
 def test_adjacent_clips_and_the_next_clip_starts_at_its_start():
     from encdec_engine.speech.job import TranscriptionJob
-    from encdec_engine.speech.windows import WindowPlanner
+    from encdec_engine.speech.transcriber import WindowPlanner
 
     assert TranscribeOptions(clip_timestamps="0,5,5,9").clip_timestamps == (0.0, 5.0, 5.0, 9.0)
     # A window of the first clip ran on to frame 1600: the second clip still starts at its start, as in

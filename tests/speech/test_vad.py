@@ -199,7 +199,7 @@ def test_no_speech_gives_an_empty_transcript_without_decoding(tmp_path, make_llm
 
 def test_speech_is_found_across_many_files_at_once(monkeypatch):
     """The offline driver runs the VAD once over every input."""
-    from encdec_engine.speech.windows import WindowPlanner
+    from encdec_engine.speech.transcriber import WindowPlanner
 
     calls = []
     vad = shared_vad()
