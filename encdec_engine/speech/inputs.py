@@ -51,11 +51,6 @@ class InputQueue:
     def exhausted(self) -> bool:
         return self.next >= len(self.items)
 
-    @property
-    def known_seconds(self) -> float:
-        """The inputs' total length as far as their headers tell."""
-        return sum(s for s in self.probed if s is not None)
-
     def take(self) -> list[TranscriptionJob]:
         """The next inputs' jobs, as many as fit in the budget beside those held (at least one when none
         is held); [] when none fits or none is left."""

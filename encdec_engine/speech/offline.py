@@ -46,23 +46,50 @@ class TranscriptionUpdate:
 
 
 class _Progress:
-    """The progress bar: seconds of audio done, the x-realtime rate, and files done."""
+    """The progress bar: seconds of audio done, the x-realtime rate, and files done. It counts whole mel
+    frames (10 ms), never rounded float seconds, so that it ends exactly at its total: each input's frames
+    are its length (from its header, corrected once it is read) and what a window advances is clamped to
+    what is left of its input, which the input's end fills up."""
 
-    def __init__(self, seconds: float, files: int, enabled: bool) -> None:
-        self.bar = tqdm(total=round(seconds, 1), desc="Transcribing", bar_format=_BAR_FORMAT, disable=not enabled)
-        self.files, self.files_done = files, 0
+    def __init__(self, probed: list[float | None], enabled: bool) -> None:
+        self.expected = {i: _frames(s) for i, s in enumerate(probed) if s is not None}  # input -> its frames
+        self.counted: Counter[int] = Counter()  # input -> frames counted so far
+        self.files, self.files_done = len(probed), 0
+        self.bar = tqdm(total=sum(self.expected.values()), unit_scale=1 / FRAMES_PER_SECOND, desc="Transcribing",
+                        bar_format=_BAR_FORMAT, disable=not enabled)
 
-    def grow(self, seconds: float) -> None:
-        """Audio whose length no header told, now that it is read."""
-        self.bar.total = round(self.bar.total + seconds, 1)
-        self.bar.refresh()
+    def phase(self, what: str) -> None:
+        """Name what runs now (reading the audio and finding its speech can take a while)."""
+        self.bar.set_description_str(what)
 
-    def advance(self, seconds: float, file_done: bool) -> None:
-        self.files_done += file_done
-        self.bar.update(seconds)
+    def read(self, index: int, seconds: float) -> None:
+        """An input is read: its real length replaces what its header said (or nothing did)."""
+        frames = _frames(seconds)
+        change = frames - self.expected.get(index, 0)
+        self.expected[index] = frames
+        if change:
+            self.bar.total += change
+            self.bar.refresh()
+
+    def advance(self, index: int, frames: int) -> None:
+        frames = max(0, min(frames, self.expected.get(index, 0) - self.counted[index]))
+        self.counted[index] += frames
+        self.bar.update(frames)
+        self._postfix()
+
+    def file_done(self, index: int) -> None:
+        self.files_done += 1
+        self.advance(index, self.expected.get(index, 0))  # the rest of it (silence skipped, VAD's gaps)
+        self.counted.pop(index, None)
+
+    def _postfix(self) -> None:
         elapsed = self.bar.format_dict["elapsed"]
-        rate = f"{self.bar.n / elapsed:.1f}x realtime, " if elapsed > 0 else ""
+        rate = f"{self.bar.n / FRAMES_PER_SECOND / elapsed:.1f}x realtime, " if elapsed > 0 else ""
         self.bar.set_postfix_str(f"{rate}files {self.files_done}/{self.files}")
+
+
+def _frames(seconds: float) -> int:
+    return round(seconds * FRAMES_PER_SECOND)
 
 
 class _SegmentFeed:
@@ -114,7 +141,7 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
     running: Counter[int] = Counter()  # jobs of each input that are not done
     in_flight: dict[str, TranscriptionJob] = {}
     feed = _SegmentFeed(transcriber.assembler)
-    progress = _Progress(inputs.known_seconds, len(inputs.items), use_tqdm)
+    progress = _Progress(inputs.probed, use_tqdm)
 
     def submit(job: TranscriptionJob) -> None:
         align = "-words" if job.pending is not None else ""
@@ -123,7 +150,7 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
         in_flight[rid] = job
 
     def done(job: TranscriptionJob) -> TranscriptionUpdate:
-        progress.advance(0.0, file_done=True)
+        progress.file_done(job.index)
         update = TranscriptionUpdate(job.index, feed.new(job), transcriber.result(job), job.language, job.duration)
         roots.pop(job.index, None)
         feed.forget(job)
@@ -134,9 +161,13 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
     def read_more() -> list[TranscriptionUpdate]:
         """Read the inputs that fit now; those with nothing to decode (unreadable, no audio) are done."""
         finished = []
-        for job in inputs.take():
-            if inputs.probed[job.index] is None:
-                progress.grow(job.duration)
+        if options.vad_filter and not inputs.exhausted:
+            progress.phase("Finding speech (VAD)")
+        jobs = inputs.take()
+        progress.phase("Transcribing")
+        for job in jobs:
+            if job.error is None:
+                progress.read(job.index, job.duration)
             roots[job.index] = job
             ready = transcriber.start(job)
             running[job.index] = len(ready)
@@ -164,7 +195,7 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
                 for next_job in ready:
                     submit(next_job)
                 root = roots[job.index]
-                progress.advance(round((min(job.seek, job.num_frames) - before) / FRAMES_PER_SECOND, 1), False)
+                progress.advance(job.index, min(job.seek, job.num_frames) - before)
                 if not running[job.index]:
                     updates.append(done(root))
                 else:

@@ -162,3 +162,26 @@ def test_punctuation_marks_join_words_as_asked(default_llm):
 
     assert words()[-1] == " park."
     assert words(append_punctuations="")[-2:] == [" park", "."]
+
+
+def test_the_progress_bar_ends_exactly_at_its_total_and_shows_the_vad_phase(tmp_path, capsys, make_llm):
+    """It used to overshoot (tqdm's "clamping frac" warning, a negative time left) or stop at 99.9%: each
+    window's rounded advance was summed as float seconds. It counts whole frames now, and a file whose
+    header says nothing (m4a) or whose windows skip silence still ends the bar at its total; with VAD
+    the bar names the phase that finds the speech."""
+    import subprocess
+
+    from encdec_engine.checkpoints.ct2_import import default_model_path
+
+    m4a = tmp_path / "weather.m4a"
+    subprocess.run(["ffmpeg", "-v", "error", "-i", str(AUDIO / "weather.wav"), str(m4a)], check=True)
+    llm = make_llm(default_model_path())
+    files = [AUDIO / "long_meeting.flac", AUDIO / "fox.wav", m4a]
+    for vad in (False, True):
+        llm.transcribe(files, use_tqdm=True, vad_filter=vad)
+        lines = [line.strip() for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.strip()]
+        last = lines[-1]
+        n, total = last.split("|")[2].split(" s of audio")[0].split("/")
+        assert float(n) == float(total) > 70 and "100%" in last and "files 3/3" in last, last
+        assert not any("clamping" in line or "-" in line.split("<")[-1][:3] for line in lines), lines
+        assert any(line.startswith("Finding speech (VAD)") for line in lines) == vad
