@@ -22,6 +22,9 @@ class EngineConfig:
     swap_space_gb: float = 0.0  # CPU swap pool for preempted requests (0: recompute instead)
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int | None = None  # prefill tokens (decoder + encoder) in one step
+    # Mixed steps: every decode gets its token, prefills the budget left, a long decoder prompt a chunk
+    # per step (engine/scheduler.py)
+    enable_chunked_prefill: bool = False
     max_model_len: int | None = None  # decoder positions; default: the model's limit
     seed: int = 0  # for unseeded random sampling
     skip_tokenizer_init: bool = False  # token ids in, token ids out

@@ -141,6 +141,9 @@ def resolve(model: str, model_dir: str | os.PathLike | None = None, allow_downlo
         repo = MODEL_NAMES[model]
     elif _HUB_ID.match(model) and not path.exists() and not model.startswith((".", "~")):
         repo = model
+    elif path.is_absolute() or model.startswith((".", "~")) or path.exists():
+        raise FileNotFoundError(f"model folder {model} does not exist" if not path.exists()
+                                else f"model {model} is not a folder: pass a checkpoint folder")
     else:
         raise FileNotFoundError(f"model {model!r} is not a checkpoint folder, a model name ({', '.join(MODEL_NAMES)}) "
                                 "or a hub id (org/name)")

@@ -35,7 +35,8 @@ def server_limits(args):
 def server_engine_kwargs(args) -> dict:
     return dict(engine_kwargs(args), swap_space_gb=args.swap_space_gb,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                seed=args.seed, enable_prefix_caching=not args.no_prefix_caching)
+                seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill)
 
 
 def add_serve_parser(sub) -> None:
@@ -45,6 +46,8 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--swap-space-gb", type=float, default=0.0, help="CPU swap pool for preempted requests")
     sv.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="prefill tokens in one step (default: the model's encoder + decoder lengths, at least 16384)")
+    sv.add_argument("--enable-chunked-prefill", action="store_true",
+                    help="decodes first in every step, prompts a chunk per step in the tokens left")
     sv.add_argument("--max-model-len", type=int, default=None, help="decoder positions (default: the model's)")
     sv.add_argument("--seed", type=int, default=0, help="for unseeded sampling")
     sv.add_argument("--no-prefix-caching", action="store_true", help="recompute every encoder output and prefix")

@@ -250,7 +250,7 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, group: SequenceGroup) -> None:
+    def allocate(self, group: SequenceGroup, chunked: bool = False) -> None:
         """Give every waiting sequence its self table and the group its cross table.
 
         With caching on, a group whose encoder input is already cached shares
@@ -260,6 +260,9 @@ class BlockManager:
         Sequences prefilled together (a forked request recomputed after preemption)
         share their common full prefix blocks, caching on or off: the first computes
         them in this step, the others read them.
+
+        `chunked`: the prompt (one sequence) is computed a chunk per step; its new self
+        blocks become findable as each chunk writes them (`prefill_chunk`), not now.
         """
         enc = group.encoder_seq
         self_key = self._self_key(group)
@@ -288,10 +291,21 @@ class BlockManager:
         # Caching off: the forks of one request share through this map alone, gone after the call.
         scope = None if self.enable_caching else {}
         for seq in group.get_seqs(SequenceStatus.WAITING):
-            self._allocate_self(seq, self_key, group.prefill_from, scope)
+            self._allocate_self(seq, self_key, group.prefill_from, scope, register=not chunked)
+
+    def prefill_chunk(self, seq: Sequence, group: SequenceGroup, num_tokens: int) -> None:
+        """The step computes the next `num_tokens` of the sequence's chunked prompt (its blocks are
+        allocated): the blocks it fills become findable by later requests once the step commits."""
+        key = self._self_key(group) if self.enable_caching else None
+        if key is None:
+            return
+        hashes = self._self_hashes(seq.data.token_ids, key)
+        table, start = self.block_tables[seq.seq_id], seq.data.num_computed_tokens
+        for index in range(start // self.block_size, min(len(hashes), (start + num_tokens) // self.block_size)):
+            self.device.register(table[index], hashes[index])
 
     def _allocate_self(self, seq: Sequence, key, compute_from: int | None = None,
-                       scope: dict[bytes, int] | None = None) -> None:
+                       scope: dict[bytes, int] | None = None, register: bool = True) -> None:
         """Build the sequence's self table, reusing cached full blocks before position `compute_from`
         (default: the last token, which must be computed for its logits). With a `scope` map the
         blocks are found in and registered there instead of the pool's cache. The table is recorded
@@ -317,7 +331,7 @@ class BlockManager:
         while len(table) < blocks_for(len(seq), bs):
             table.append(self.device.allocate(table[-1] if table else None))
             index = len(table) - 1
-            if index < len(hashes):
+            if register and index < len(hashes):
                 if scope is None:
                     self.device.register(table[index], hashes[index])
                 else:

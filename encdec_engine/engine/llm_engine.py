@@ -69,7 +69,8 @@ class LLMEngine:
         num_blocks = self.kv_pool.num_blocks
         num_swap = int(config.swap_space_gb * _GiB // per_block)
         self.block_manager = BlockManager(bs, num_blocks, num_swap, enable_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget), self.block_manager)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, chunked_prefill=config.enable_chunked_prefill),
+                                   self.block_manager)
         self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.kv_cache_dtype, self.device)
         self.runner = ModelRunner(self.model, loaded.backend, self.cache_engine, bs, self.device, config.seed)
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -169,10 +170,15 @@ class LLMEngine:
         if need > total:
             raise ValueError(f"request needs {need} KV blocks ({cross} cross) but the pool has only {total}; "
                              "raise num_kv_blocks / kv_cache_space_gb or shorten the prompt")
-        positions = prompt_len + (encoder_seq.num_positions if encoder_seq is not None else 0)
-        if positions > self.scheduler.config.max_num_batched_tokens:
-            raise ValueError(f"prompt needs {positions} prefill positions, more than "
-                             f"max_num_batched_tokens={self.scheduler.config.max_num_batched_tokens}")
+        encoder = encoder_seq.num_positions if encoder_seq is not None else 0
+        limit = self.scheduler.config.max_num_batched_tokens
+        # Chunked, a prompt is computed across steps: the encoder and one decoder token must fit one,
+        # the whole prompt only when its probes read all of it in one forward.
+        whole = params.prompt_logprobs is not None or params.cross_attention_heads is not None
+        positions = encoder + (1 if self.scheduler.config.chunked_prefill and not whole else prompt_len)
+        if positions > limit:
+            raise ValueError(f"prompt needs {positions} prefill positions in one step, more than "
+                             f"max_num_batched_tokens={limit}")
 
     def _check_cross_attention_heads(self, pairs: list[tuple[int, int]], encoder_seq) -> None:
         if encoder_seq is None:
@@ -234,18 +240,17 @@ class LLMEngine:
             self.block_manager.rollback_step()
             raise
         outputs += [self._finish_ignored(g) for g in out.ignored]
-        if not out.is_empty:
-            self.stats["prefill_steps" if out.is_prompt else "decode_steps"] += 1
-            if out.is_prompt:
-                self.stats["encoder_runs"] += sum(1 for g in out.groups
-                                                  if g.encoder_seq is not None and not g.encoder_cached)
+        self.stats["prefill_steps"] += bool(out.prefills)
+        self.stats["decode_steps"] += len(out.groups) > len(out.prefills)
+        self.stats["encoder_runs"] += sum(1 for g in out.prefills if g.encoder_seq is not None
+                                          and not g.encoder_cached and g.key not in out.continued)
         try:
             # Swap-ins were decided before this step's preemptions: their swap blocks may be handed
             # to a swap-out of the same step (and a group may go in and out again), so they go first.
             self.cache_engine.swap_in(out.blocks_to_swap_in)
             self.cache_engine.swap_out(out.blocks_to_swap_out)
             self.cache_engine.copy(out.blocks_to_copy)
-            result = None if out.is_empty else self.runner.execute(metadata, out.is_prompt)
+            result = None if out.is_empty else self.runner.execute(metadata)
         except BaseException as e:
             # Nothing this step moved or computed can be trusted: the blocks it allocated were not (all)
             # written, so their hashes go before anyone can find them, and their requests end.
@@ -262,9 +267,11 @@ class LLMEngine:
             self._release_if_idle()
             return outputs
         self.output_processor.apply(out.groups, result, time.monotonic())
-        self.stats["generated_tokens"] += sum(len(m.seq_data) for m in metadata)
+        self.stats["generated_tokens"] += sum(len(m.seq_data) for m in metadata if m.token_chunk_size is None)
         self.scheduler.free_finished()
-        outputs += [self._output(group) for group in out.groups]
+        # A chunk of a prompt has nothing to tell its caller (unless it ended the request).
+        outputs += [self._output(group) for group in out.groups
+                    if group.key not in out.chunk_sizes or group.is_finished()]
         self._release_if_idle()
         return outputs
 

@@ -1,7 +1,8 @@
 """Applying a step's results to its requests, one request at a time, and building RequestOutputs.
 
 Per request: the prefill's reports (no-speech probability, prompt logprobs,
-cross-attention), then per row its sampled tokens (forking a best_of request
+cross-attention), then per row its sampled tokens (or, for a chunk of a prompt,
+the prompt tokens it computed) (forking a best_of request
 at its first token), incremental detokenizing and the stop checks, or a beam
 search step. An exception anywhere in one request's part, or an error the
 runner reported on one of its rows, ends that request alone with
@@ -72,9 +73,13 @@ class OutputProcessor:
             raise RequestFailure(failed)
         if probes is not None:
             group.probe_results.update(probes)
+        seqs = {s.seq_id: s for s in group.seqs}
+        if any(r.prefill_chunk is not None for r in rows):  # a chunk of its prompt: computed, nothing sampled
+            for row in rows:
+                seqs[row.seq_id].data.num_computed_tokens += row.prefill_chunk
+            return
         if group.first_token_time is None:
             group.first_token_time = now
-        seqs = {s.seq_id: s for s in group.seqs}
         for row in rows:
             seqs[row.seq_id].data.num_computed_tokens = len(seqs[row.seq_id])
         if group.beam is not None:

@@ -7,6 +7,15 @@ running batch at the next step. When the KV pool runs out during decode, the
 newest running group is preempted: swapped to the CPU pool when there is room
 and swapping is enabled, otherwise freed and recomputed later.
 
+With chunked prefill (`SchedulerConfig.chunked_prefill`) a step mixes both:
+every decoding sequence gets its token, and what is left of the token budget
+goes to prefills, a decoder prompt longer than that being computed a chunk per
+step (the encoder with its first chunk). A long prompt then never stalls the
+others' decoding, and a prompt longer than the budget is served, not refused.
+
+    step   [decode rows: 1 token each][chunk of A's prompt][B's encoder + first chunk]
+           |<------------------ max_num_batched_tokens ------------------------->|
+
 The scheduler barely knows encoders exist: a group's cross blocks are
 allocated, swapped and freed with it, and an encoder's positions count
 against the prefill token budget.
@@ -20,7 +29,7 @@ from dataclasses import dataclass, field
 
 from encdec_engine.engine.block_manager import AllocStatus, BlockManager
 from encdec_engine.sequence import SequenceStatus
-from encdec_engine.engine.sequence_group import SequenceGroup
+from encdec_engine.engine.sequence_group import Sequence, SequenceGroup
 from encdec_engine.worker.step_input import SequenceGroupMetadata
 
 
@@ -34,12 +43,18 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int = 16384  # decoder + encoder positions in one prefill step
     preemption_mode: PreemptionMode | None = None  # None: swap when possible, else recompute
+    chunked_prefill: bool = False  # mixed steps: decodes first, prefill chunks in the budget left
 
 
 @dataclass
 class SchedulerOutput:
     groups: list[SequenceGroup] = field(default_factory=list)
-    is_prompt: bool = False
+    is_prompt: bool = False  # prefills only (all of them with chunked prefill off)
+    # Chunked prefill: the prefill groups of the step (the rest of `groups` decode) and, per group key,
+    # the decoder tokens its chunk computes (absent: the whole rest of its prompt).
+    prefills: list[SequenceGroup] = field(default_factory=list)
+    chunk_sizes: dict[int, int] = field(default_factory=dict)
+    continued: set[int] = field(default_factory=set)  # group keys of prompts under way (cross KV written)
     num_batched_tokens: int = 0
     # (source, destination) pairs, not dicts: groups that share a device block (cached prefixes)
     # each swap out their own copy of it.
@@ -65,6 +80,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
+        self._under_way: set[int] = set()  # keys of running groups in a chunked prefill
 
     # -- queue management ----------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -89,6 +105,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if group in queue:
                 queue.remove(group)
+        self._under_way.discard(group.key)
         self.block_manager.free_group(group)
 
     def free_finished(self) -> list[SequenceGroup]:
@@ -97,17 +114,94 @@ class Scheduler:
         if done:
             self.running = [g for g in self.running if not g.is_finished()]
             for group in done:
+                self._under_way.discard(group.key)
                 self.block_manager.free_group(group)
         return done
 
     # -- scheduling ----------------------------------------------------------
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutput]:
         out = SchedulerOutput()
+        if self.config.chunked_prefill:
+            self._schedule_mixed(out)
+            prefills = {id(g) for g in out.prefills}
+            return [self._metadata(g, id(g) in prefills, out.chunk_sizes.get(g.key), g.key in out.continued)
+                    for g in out.groups], out
         if not self.swapped:
             self._schedule_prefills(out)
         if out.is_empty:
             self._schedule_decodes(out)
+        out.prefills = list(out.groups) if out.is_prompt else []
         return [self._metadata(g, out.is_prompt) for g in out.groups], out
+
+    # -- chunked prefill: mixed steps --------------------------------------------
+    def prefilling(self, group: SequenceGroup) -> bool:
+        """Running with part of its prompt still to compute (a chunked prefill under way)."""
+        return group.key in self._under_way
+
+    def _schedule_mixed(self, out: SchedulerOutput) -> None:
+        """Decodes first (as `_schedule_decodes`), then prefill chunks in the tokens left: the chunks of
+        prompts under way, then new requests, each as much of its prompt as fits. Computed only whole:
+        a forked request recomputed, and one whose probes read its whole prompt (prompt logprobs,
+        cross-attention); an encoder always is."""
+        under_way = [g for g in self.running if self.prefilling(g)]
+        self.running = [g for g in self.running if not self.prefilling(g)]
+        self._schedule_decodes(out)
+        self.running += under_way
+        limit = self.config.max_num_batched_tokens
+        budget = limit - out.num_batched_tokens
+        num_seqs = out.num_batched_tokens + len(under_way)
+        for group in under_way:  # allocated already: the next chunk of its prompt, if a token fits
+            if budget <= 0:
+                break
+            seq = group.get_seqs(SequenceStatus.RUNNING)[0]
+            chunk = min(seq.num_new_tokens, budget)
+            self.block_manager.prefill_chunk(seq, group, chunk)
+            self._add_prefill(out, group, seq, chunk, continued=True)
+            budget -= chunk
+        while self.waiting and budget > 0 and not self.swapped:
+            group = self.waiting[0]
+            status = self.block_manager.can_allocate(group)
+            encoder = group.encoder_seq.num_positions if group.encoder_seq is not None else 0
+            cost = self._prefill_cost(group)
+            whole = len(group.seqs) > 1 or group.prefill_from == 0
+            if status == AllocStatus.NEVER or (cost > limit if whole else encoder >= limit):
+                self.waiting.popleft()
+                self._ignore(group, out)
+                continue
+            n = group.num_unfinished_seqs()
+            if len(group.seqs) == 1:
+                n = max(n, group.sampling_params.best_of, group.sampling_params.num_beams)
+            fits = cost <= budget or (not whole and encoder < budget)
+            if status == AllocStatus.LATER or num_seqs + n > self.config.max_num_seqs or not fits:
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(group, chunked=not whole)
+            for seq in group.get_seqs(SequenceStatus.WAITING):
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            seq = group.get_seqs(SequenceStatus.RUNNING)[0]
+            encoder = 0 if group.encoder_cached else encoder
+            chunk = seq.num_new_tokens if whole else min(seq.num_new_tokens, budget - encoder)
+            if not whole:
+                self.block_manager.prefill_chunk(seq, group, chunk)
+            self._add_prefill(out, group, seq, chunk)
+            budget -= encoder + (cost - encoder if whole else chunk)
+            num_seqs += n
+        out.num_batched_tokens = limit - budget
+        out.is_prompt = bool(out.prefills) and len(out.prefills) == len(out.groups)
+
+    def _add_prefill(self, out: SchedulerOutput, group: SequenceGroup, seq: Sequence, chunk: int,
+                     continued: bool = False) -> None:
+        """Schedule `chunk` of the group's prompt tokens (prefills first in the step, decodes after)."""
+        out.groups.insert(len(out.prefills), group)
+        out.prefills.append(group)
+        if continued:
+            out.continued.add(group.key)
+        if chunk < seq.num_new_tokens:
+            out.chunk_sizes[group.key] = chunk
+            self._under_way.add(group.key)
+        else:
+            self._under_way.discard(group.key)
 
     def _prefill_cost(self, group: SequenceGroup) -> int:
         cost = self.block_manager.prefill_need(group)[1]
@@ -223,10 +317,12 @@ class Scheduler:
             seq.reset_for_recompute()
         self.waiting.appendleft(group)
 
-    def _metadata(self, group: SequenceGroup, is_prompt: bool) -> SequenceGroupMetadata:
+    def _metadata(self, group: SequenceGroup, is_prompt: bool, chunk: int | None = None,
+                  continued: bool = False) -> SequenceGroupMetadata:
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         params = group.sampling_params
-        first_prefill = is_prompt and len(group.seqs) == 1  # a request that forks does so at its first token
+        # A request that forks does so at its first token, sampled by its prefill's last chunk.
+        first_prefill = is_prompt and len(group.seqs) == 1 and chunk is None
         return SequenceGroupMetadata(
             request_id=group.request_id,
             is_prompt=is_prompt,
@@ -235,7 +331,8 @@ class Scheduler:
             block_tables={s.seq_id: self.block_manager.get_block_table(s) for s in seqs},
             encoder_seq_data=group.encoder_seq,
             cross_block_table=self.block_manager.get_cross_block_table(group),
-            encoder_cached=group.encoder_cached,
+            encoder_cached=group.encoder_cached or continued,  # a later chunk: its first one wrote the cross KV
+            token_chunk_size=chunk,
             sampling=group.sampling,
             max_len=group.max_len,
             fanout=params.best_of if first_prefill and params.best_of > 1 and not params.use_beam_search else 1,

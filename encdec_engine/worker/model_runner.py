@@ -106,7 +106,8 @@ class ModelRunner:
         data = [r.group.seq_data[r.seq_id] for r in rows]
         block_table = pad_rows([r.group.block_tables[r.seq_id] for r in rows])
         num_computed = np.array([d.num_computed_tokens for d in data], dtype=np.int64)
-        num_scheduled = np.array([len(d) for d in data], dtype=np.int64) - num_computed
+        num_scheduled = np.array([len(d) if r.group.token_chunk_size is None else d.num_computed_tokens
+                                  + r.group.token_chunk_size for r, d in zip(rows, data)], dtype=np.int64) - num_computed
         arrays = prepare_token_arrays(num_scheduled, num_computed, block_table, self.block_size,
                                       pad_rows([d.token_ids for d in data]))
         return arrays, block_table
@@ -177,6 +178,10 @@ class ModelRunner:
         """Rows that asked for no_speech_prob, and the flat index of each one's probed prompt token."""
         found = [(i, r.group.probes.no_speech_position) for i, r in enumerate(rows)
                  if r.group.probes is not None and r.group.probes.no_speech_position is not None]
+        # A chunk of a prompt before the probed position leaves the probe to a later chunk.
+        found = [(i, position) for i, position in found
+                 if rows[i].group.token_chunk_size is None
+                 or position < int(dec.num_computed_tokens[i] + dec.num_scheduled_tokens[i])]
         indices = []
         for i, position in found:
             offset = position - int(dec.num_computed_tokens[i])
@@ -246,42 +251,55 @@ class ModelRunner:
 
     # -- execution -----------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, metadata_list: list[SequenceGroupMetadata], is_prompt: bool) -> StepOutput:
-        """Run one step. Each row gets its samples (several for a request that forks into best_of
-        sequences at its first token) or, in beam search, its processed log-probs; a prefill also
-        reports what its requests asked for (no-speech probability, prompt logprobs, attention).
-        A raise here fails the whole step; a failure of one row's own work is reported on it."""
+    def execute(self, metadata_list: list[SequenceGroupMetadata]) -> StepOutput:
+        """Run one step: its prefills (`is_prompt`, first in the list) in one forward, its decodes in
+        another. Each row gets its samples (several for a request that forks into best_of sequences at
+        its first token) or, in beam search, its processed log-probs; a chunk of a prompt that is not
+        its last samples nothing. A prefill also reports what its requests asked for (no-speech
+        probability, prompt logprobs, attention). A raise here fails the whole step; a failure of one
+        row's own work is reported on it."""
         rows = [StepRow(m, seq_id, g) for g, m in enumerate(metadata_list) for seq_id in m.seq_data]
+        num_prefill = sum(1 for r in rows if r.group.is_prompt)
         step = StepOutput([])
-        if is_prompt:
-            inp = self.prepare_prefill(rows)
-            hidden = self._forward(inp)
-            self._probe(rows, inp, hidden[len(rows) :], step)
-        else:
-            batch = self.decode_batch(rows)
+        hidden = []
+        if num_prefill:
+            prefill = rows[:num_prefill]
+            inp = self.prepare_prefill(prefill)
+            prefill_hidden = self._forward(inp)
+            self._probe(prefill, inp, prefill_hidden[num_prefill:], step)
+            hidden.append(prefill_hidden[:num_prefill])
+        if num_prefill < len(rows):
+            batch = self.decode_batch(rows[num_prefill:])
             if self.graphs is not None and self.graphs.fits(batch):
-                hidden = self.graphs.run(batch)
+                hidden.append(self.graphs.run(batch))
                 self.graph_steps += 1
             else:
-                hidden = self._forward(self.prepare_decode(batch))
+                hidden.append(self._forward(self.prepare_decode(batch)))
+        # Chunks that sample nothing need no logits.
+        outputs = [RowOutput(r.group_index, r.seq_id, prefill_chunk=r.group.token_chunk_size) for r in rows]
+        live = [i for i, r in enumerate(rows) if r.group.token_chunk_size is None]
+        if not live:
+            step.rows = outputs
+            return step
+        hidden = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         # The probes get their own logits call: the sampled rows' matmul keeps its shape (and its bits).
-        logits = self.model.compute_logits(hidden[: len(rows)])
-        sampling = [self._sampling_row(r) for r in rows]
-        outputs = [RowOutput(r.group_index, r.seq_id) for r in rows]
-        beam = [i for i, r in enumerate(rows) if r.group.sampling_params.use_beam_search]
+        logits = self.model.compute_logits(hidden if len(live) == len(rows) else hidden[live])
+        sampling = [self._sampling_row(rows[i]) for i in live]
+        beam = [j for j, i in enumerate(live) if rows[i].group.sampling_params.use_beam_search]
         if beam:
-            log_probs, errors = beam_log_probs(logits[beam], [sampling[i] for i in beam])
-            for j, i in enumerate(beam):
-                outputs[i].beam_log_probs, outputs[i].error = log_probs[j], errors.get(j)
-        sampled = [i for i, r in enumerate(rows) if not r.group.sampling_params.use_beam_search]
+            log_probs, errors = beam_log_probs(logits[beam], [sampling[j] for j in beam])
+            for k, j in enumerate(beam):
+                outputs[live[j]].beam_log_probs, outputs[live[j]].error = log_probs[k], errors.get(k)
+        sampled = [j for j, i in enumerate(live) if not rows[i].group.sampling_params.use_beam_search]
         if sampled:
-            idx = [i for i in sampled for _ in range(rows[i].group.fanout)]
+            idx = [j for j in sampled for _ in range(rows[live[j]].group.fanout)]
             # The sampler edits its logits in place; the beam rows took their copy above.
-            rows_logits = logits if idx == list(range(len(rows))) else logits[idx]
-            samples = iter(self.sampler(rows_logits, [sampling[i] for i in idx]))
-            for i in sampled:
-                outputs[i] = RowOutput(rows[i].group_index, rows[i].seq_id,
-                                       [next(samples) for _ in range(rows[i].group.fanout)])
+            rows_logits = logits if idx == list(range(len(live))) else logits[idx]
+            samples = iter(self.sampler(rows_logits, [sampling[j] for j in idx]))
+            for j in sampled:
+                row = rows[live[j]]
+                outputs[live[j]] = RowOutput(row.group_index, row.seq_id,
+                                             [next(samples) for _ in range(row.group.fanout)])
         step.rows = outputs
         return step
 

@@ -23,6 +23,9 @@ class SequenceGroupMetadata:
     encoder_seq_data: EncoderSequence | None = None
     cross_block_table: list[int] | None = None  # the group's cross-attention blocks
     encoder_cached: bool = False  # cross KV already cached: no encoder run for this group
+    # Chunked prefill: the prompt tokens this step computes when they are not all the rest (None); such a
+    # chunk samples nothing
+    token_chunk_size: int | None = None
     sampling: RequestSampling | None = None  # the group's sampler state (generator, processor tensors)
     max_len: int | None = None  # decoder length limit (forced EOS fills its last slot)
     fanout: int = 1  # samples drawn for the row: best_of at the first token of a request that forks

@@ -24,6 +24,7 @@ class RowOutput:
     samples: list[SampleResult] = field(default_factory=list)  # best_of of them at a forking first token
     beam_log_probs: torch.Tensor | None = None  # [vocab] processed log-probs, for beam search instead
     error: str | None = None
+    prefill_chunk: int | None = None  # a chunk of a prompt, sampling nothing: this many prompt tokens computed
 
     def __post_init__(self) -> None:
         if self.error is None:

@@ -16,7 +16,11 @@ from encdec_engine import SamplingParams
 
 TIGHT = [dict(num_kv_blocks=24, block_size=4), dict(num_kv_blocks=32, block_size=4, swap_space_gb=0.001),
          dict(num_kv_blocks=20, block_size=8, enable_prefix_caching=False),
-         dict(num_kv_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=96, swap_space_gb=0.001)]
+         dict(num_kv_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=96, swap_space_gb=0.001),
+         # Mixed steps, prompts (and recomputed requests) prefilled a chunk per step
+         dict(num_kv_blocks=28, block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=24,
+              swap_space_gb=0.001),
+         dict(num_kv_blocks=24, block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=64)]
 
 
 def workload(rng: random.Random) -> list[tuple[int, dict, SamplingParams]]:
@@ -66,7 +70,8 @@ def test_tight_pools_give_the_roomy_outputs(seed, bart_path, make_llm):
             if tight[rid] == outputs:
                 continue
             params = requests[int(rid[1:])][2]
-            # Only an early end is allowed, and only where no best-of choice depends on the cut.
-            assert params.best_of == params.n, (rid, config)
+            # Only an early end (a request that outgrows the pool) is allowed: a prefix of the roomy output,
+            # or, where best-of chooses among candidates, any candidate cut short (the choice depends on the cut).
             for (got, reason), (want, _) in zip(tight[rid], outputs):
-                assert reason == "length" and len(got) < len(want) and got == want[: len(got)], (rid, config)
+                assert reason == "length" and len(got) < len(want), (rid, config)
+                assert params.best_of > params.n or got == want[: len(got)], (rid, config)

@@ -62,7 +62,7 @@ def test_explicit_encoder_decoder_prompt_is_rejected(paths, make_llm):
 
 def test_prompt_over_the_prefill_budget_is_refused_when_added(paths, make_llm):
     llm = make_llm(paths["gpt2"], num_kv_blocks=400, max_num_batched_tokens=64)
-    with pytest.raises(ValueError, match="100 prefill positions, more than max_num_batched_tokens=64"):
+    with pytest.raises(ValueError, match="100 prefill positions in one step, more than max_num_batched_tokens=64"):
         llm.generate({"prompt_token_ids": [5] * 100}, SamplingParams(max_tokens=2), use_tqdm=False)
 
 
