@@ -131,3 +131,88 @@ def load_hf_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
+
+
+# -- random-init checkpoints -----------------------------------------------------------------------------
+
+def _tokenizer(dst: Path, kind: str, hub_layout: bool, **kw):
+    """The family's tokenizer in `dst`: its hub files as they are (`hub_layout`), or what transformers'
+    `save_pretrained` writes after reading them."""
+    files = TOKENIZER_FILES[kind](dst / "_hub_tokenizer", **kw)
+    tok = load_hf_tokenizer(files)
+    if hub_layout:
+        for f in files.iterdir():
+            shutil.copy(f, dst / f.name)
+    else:
+        tok.save_pretrained(dst)
+    shutil.rmtree(files)
+    return tok
+
+
+def _randomize(model, entry: dict) -> None:
+    """Wide random norms, biases and position tables: a narrow random model's greedy output varies with
+    its input instead of repeating one token."""
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.normal_(1.0 if pname.endswith("weight") else 0.0, 0.3)
+            elif "relative_attention_bias" in pname or "embed_positions" in pname:
+                p.normal_(0.0, 1.0)
+            elif pname.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif entry.get("embed_std") and ("shared" in pname or "embed_tokens" in pname or "lm_head" in pname):
+                p.normal_(0.0, entry["embed_std"])  # sinusoidal positions (amplitude 1) must not drown
+            elif entry.get("weight_std") and pname.endswith("weight"):
+                p.normal_(0.0, entry["weight_std"])
+        if getattr(model, "final_logits_bias", None) is not None:
+            model.final_logits_bias.normal_(0, entry.get("logits_bias_std", 0.5))
+
+
+def make_t5(dst: Path, name: str = "small", hub_layout: bool = False, **overrides) -> Path:
+    """A random-init T5 / mT5 (models/configs/t5.json's `name`) and its SentencePiece tokenizer."""
+    from transformers import MT5Config, MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+    entry = model_entry("t5", name)
+    dst.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(dst, "t5", hub_layout)
+    config_cls, model_cls = {"t5": (T5Config, T5ForConditionalGeneration),
+                             "mt5": (MT5Config, MT5ForConditionalGeneration)}[entry["model_type"]]
+    config = config_cls(**{"vocab_size": len(tok), "decoder_start_token_id": 0, **entry["config"], **overrides})
+    torch.manual_seed(entry["seed"])
+    model = model_cls(config).eval()
+    _randomize(model, {"weight_std": 0.5})
+    if not entry["config"].get("tie_word_embeddings", True):
+        # transformers 5 ties T5's head in memory; an untied head is saved as its own tensor when it differs
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(len(tok), config.d_model) * 0.5)
+    model.save_pretrained(dst)
+    return dst
+
+
+def make_bart_family(dst: Path, arch: str, name: str = "small", hub_layout: bool = False, **overrides) -> Path:
+    """A random-init mBART-50, Marian or M2M100 / NLLB (models/configs/<arch>.json's `name`) and its tokenizer."""
+    from transformers import (M2M100Config, M2M100ForConditionalGeneration, MarianConfig, MarianMTModel, MBartConfig,
+                              MBartForConditionalGeneration)
+
+    entry = model_entry(arch, name)
+    dst.mkdir(parents=True, exist_ok=True)
+    if arch == "marian":
+        tok = _tokenizer(dst, "marian", hub_layout, target_languages=tuple(entry.get("target_languages", ())))
+        ids = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                   decoder_start_token_id=tok.pad_token_id, forced_eos_token_id=tok.eos_token_id)
+        config_cls, model_cls = MarianConfig, MarianMTModel
+    elif arch == "mbart":
+        tok = _tokenizer(dst, "mbart", hub_layout)
+        ids = dict(vocab_size=len(tok))
+        config_cls, model_cls = MBartConfig, MBartForConditionalGeneration
+    else:
+        kind = entry.get("tokenizer", "m2m100")
+        tok = _tokenizer(dst, kind, hub_layout)
+        size = len(tok) if kind == "nllb" else tok.encoder_size + len(tok.lang_code_to_id) + tok.num_madeup_words
+        ids = dict(vocab_size=size, decoder_start_token_id=2)
+        config_cls, model_cls = M2M100Config, M2M100ForConditionalGeneration
+    config = config_cls(**{**ids, **entry["config"], **overrides})
+    torch.manual_seed(entry["seed"])
+    model = model_cls(config).eval()
+    _randomize(model, entry)
+    model.save_pretrained(dst)
+    return dst

@@ -77,6 +77,16 @@ def load_generation_config(folder: Path, model_config) -> GenerationSettings:
     return GenerationSettings(values)
 
 
+def decoder_start_token_id(model_config, generation_config=None) -> int | None:
+    """The token HF's `generate` starts an encoder/decoder's decoder from: the generation config's, else
+    config.json's, else BOS (mBART-family configs may leave it out)."""
+    for source in (generation_config, model_config):
+        value = getattr(source, "decoder_start_token_id", None)
+        if value is not None:
+            return value
+    return getattr(model_config, "bos_token_id", None)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
