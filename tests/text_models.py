@@ -102,8 +102,12 @@ def mbart50_tokenizer_files(dst: Path) -> Path:
 
 
 def nllb_tokenizer_files(dst: Path) -> Path:
+    """NLLB-200's layout: sentencepiece.bpe.model, its 202 language codes listed in tokenizer_config.json."""
+    from transformers.models.nllb.tokenization_nllb import FAIRSEQ_LANGUAGE_CODES
+
     fairseq_bpe_model(dst)
-    _write_json(dst / "tokenizer_config.json", {"tokenizer_class": "NllbTokenizer", "src_lang": "eng_Latn"})
+    _write_json(dst / "tokenizer_config.json", {"tokenizer_class": "NllbTokenizer", "src_lang": "eng_Latn",
+                                                 "additional_special_tokens": list(FAIRSEQ_LANGUAGE_CODES)})
     return dst
 
 
