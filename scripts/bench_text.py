@@ -4,8 +4,9 @@
     python scripts/bench_text.py --quick          # tiny shapes, 8 requests: proves the script runs
     python scripts/bench_text.py --models t5 --precisions int8 --rounds 3
 
-For each model shape a random-init checkpoint is saved with `save_pretrained` (with a word-level
-tokenizer of the model's vocabulary size, which the CTranslate2 converter reads) under --workdir, and
+For each model shape a random-init checkpoint (unit-gain random weights, so that outputs depend on
+the input) is saved with `save_pretrained` (with a word-level tokenizer of the model's
+vocabulary size, which the CTranslate2 converter reads) under --workdir, and
 converted with `ct2-transformers-converter` (fp32, and `--quantization int8`). The workload: --requests
 sources of random token ids, lengths spread evenly over [--min-len, --max-len], each decoded greedily for
 exactly --new-tokens tokens (EOS suppressed until then on every side: min_tokens, min_decoding_length,
@@ -94,6 +95,20 @@ def make_checkpoint(dst: Path, arch: str, quick: bool) -> dict:
     torch.manual_seed(spec["seed"])
     model = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).eval()
     with torch.no_grad():
+        # Unit-gain random weights: with HF's init (std 0.02) a random model ignores its encoder and every
+        # request decodes to the same tokens, and every agreement figure would be trivially whole.
+        d = model.config.d_model
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+            elif "relative_attention_bias" in name or ("embed_positions" in name and arch == "bart"):
+                param.normal_(0.0, 1.0)
+            elif name.endswith("shared.weight") or "embed_tokens" in name or "lm_head" in name:
+                param.normal_(0.0, 1.0 if arch == "t5" else d**-0.5)  # T5 scales its output by d**-0.5
+            elif param.dim() == 2:  # linears: std 1/sqrt(fan_in)
+                param.normal_(0.0, param.shape[1] ** -0.5)
+        if getattr(model, "final_logits_bias", None) is not None:
+            model.final_logits_bias.normal_(0.0, 0.3)
         if arch == "marian":  # the decoder starts from <pad>, whose embedding is zero (CTranslate2 relies on
             model.model.shared.weight[ids["pad"]] = 0  # it) and which is never generated (HF: bad_words_ids)
             model.final_logits_bias[0, ids["pad"]] = -1e4
@@ -258,11 +273,14 @@ def main() -> None:
                     seconds, outputs[name] = timed(run)
                     best_s[name] = min(best_s.get(name, float("inf")), seconds)
             for name in systems:
+                distinct = len({tuple(o) for o in outputs[name]})  # a stuck random model would agree trivially
                 rows.append((arch, precision, name, best_s[name], generated / best_s[name],
-                             best_s[name] / best_s["engine"], agreement(outputs[name], outputs["engine"])))
-    print(f"{'model':8} {'prec':5} {'system':16} {'seconds':>9} {'tok/s':>9} {'engine x':>9}  same as engine")
-    for arch, precision, name, seconds, rate, ratio, same in rows:
-        print(f"{arch:8} {precision:5} {name:16} {seconds:9.2f} {rate:9.1f} {ratio:9.2f}  {same}")
+                             best_s[name] / best_s["engine"], agreement(outputs[name], outputs["engine"]),
+                             distinct))
+    print(f"{'model':8} {'prec':5} {'system':16} {'seconds':>9} {'tok/s':>9} {'engine x':>9}  {'same as engine':14}"
+          " distinct outputs")
+    for arch, precision, name, seconds, rate, ratio, same, distinct in rows:
+        print(f"{arch:8} {precision:5} {name:16} {seconds:9.2f} {rate:9.1f} {ratio:9.2f}  {same:14} {distinct}")
     print("\nengine x = the system's time over the engine's (targets: >= 1.3 against CTranslate2 at the same "
           "precision, >= 3 against HF)")
 
