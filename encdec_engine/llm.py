@@ -166,8 +166,9 @@ class LLM:
         limit = self.engine.input_processor.max_encoder_len
         start = [self.engine.input_processor.decoder_start_token_id]
         prefix = summarization_prefix(self.engine.hf_config)  # T5: "summarize: "
-        prompts = [{"encoder_prompt": {"prompt_token_ids": tok(prefix + t, truncation=True, max_length=limit)["input_ids"]},
-                    "decoder_prompt": {"prompt_token_ids": start}} for t in texts]
+        encoded = [tok(prefix + t, truncation=True, max_length=limit)["input_ids"] for t in texts]
+        prompts = [{"encoder_prompt": {"prompt_token_ids": ids}, "decoder_prompt": {"prompt_token_ids": start}}
+                   for ids in encoded]
         for i, t in enumerate(texts):
             if not t.strip():
                 raise ValueError(f"text {i} is empty")

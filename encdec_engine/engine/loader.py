@@ -153,7 +153,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         model=model, tokenizer=tokenizer, hf_config=hf_config, generation_config=generation_config,
         backend=backend, vocab_size=hf_config.vocab_size, max_decoder_len=model.max_decoder_len,
         max_encoder_len=model.max_encoder_len,
-        decoder_start_token_id=decoder_start_token_id(hf_config, generation_config) if model.is_encoder_decoder else None,
+        decoder_start_token_id=(decoder_start_token_id(hf_config, generation_config) if model.is_encoder_decoder
+                                else None),
         default_decoder_prompt=model.default_decoder_prompt(generation_config) if model.is_encoder_decoder else None,
         eos_token_id=eos,
         eos_token_ids=stop,

@@ -75,13 +75,15 @@ def test_fresh_prefill_adds_the_bias_per_sequence(kind, causal, num_kv_heads):
     bias = BIASES[kind](bidirectional=not causal)
     k_start = np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist()
     view = make_view(lens, lens, causal, key_start_loc=k_start)
-    q, k, v = torch.randn(sum(lens), H, D), torch.randn(sum(lens), num_kv_heads, D), torch.randn(sum(lens), num_kv_heads, D)
+    total = sum(lens)
+    q, k, v = torch.randn(total, H, D), torch.randn(total, num_kv_heads, D), torch.randn(total, num_kv_heads, D)
     backend = TorchSDPABackend(BS)
     backend.plan(AttentionMetadata(decoder=view, block_size=BS))
     out = backend.forward(q, k, v, None, view, D**-0.5, bias)
-    for i, (start, n) in enumerate(zip(k_start, lens)):
-        ref = naive_biased(q[start : start + n], k[start : start + n], v[start : start + n], D**-0.5, explicit(bias), causal)
-        torch.testing.assert_close(out[start : start + n].double(), ref, rtol=1e-5, atol=1e-5)
+    for start, n in zip(k_start, lens):
+        seq = slice(start, start + n)
+        ref = naive_biased(q[seq], k[seq], v[seq], D**-0.5, explicit(bias), causal)
+        torch.testing.assert_close(out[seq].double(), ref, rtol=1e-5, atol=1e-5)
     # Uniform segments take the reshaped batch path.
     view = make_view([4] * 3, [4] * 3, causal, key_start_loc=[0, 4, 8])
     out = TorchSDPABackend(BS).forward(q[:12], k[:12], v[:12], None, view, D**-0.5, bias)
