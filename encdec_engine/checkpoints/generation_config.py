@@ -81,7 +81,9 @@ def load_generation_config(folder: Path, model_config) -> GenerationSettings:
 def generation_sampling_params(generation_config, settings: dict | None = None, **overrides) -> SamplingParams:
     """The checkpoint's HF generation config (updated by `settings`, e.g. a task's task_specific_params)
     as SamplingParams, for requests that start, as in HF, from the decoder start token alone: BOS and EOS
-    forced by processors; HF's max_length/min_length count that start token. `overrides` replace fields."""
+    forced by processors; HF's max_length/min_length count that start token; suppress_tokens and the
+    one-token bad_words_ids never generated (longer bad word sequences are not mapped). `overrides`
+    replace fields."""
     values = {**generation_config.to_dict(), **(settings or {})}
 
     def get(name: str):
@@ -102,6 +104,11 @@ def generation_sampling_params(generation_config, settings: dict | None = None, 
         length_penalty=_or_default(get("length_penalty"), 1.0),
         early_stopping=_or_default(get("early_stopping"), False),
     )
+    # HF's bad_words_ids of one token are never generated (Marian's configs ban <pad> so): suppressed tokens
+    banned = [ids[0] for ids in get("bad_words_ids") or [] if isinstance(ids, list) and len(ids) == 1]
+    suppress = list(get("suppress_tokens") or []) + banned
+    if suppress:
+        fields["suppress_tokens"] = suppress
     fields.update(overrides)
     return SamplingParams(**fields)
 

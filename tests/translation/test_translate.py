@@ -139,3 +139,24 @@ def test_legacy_nllb_and_mbart25_put_the_source_code_last(text_model):
     mbart.src_lang = "ro_RO"
     assert request.encoder_ids(mbart, TEXTS[1]) == mbart(TEXTS[1])["input_ids"]
     assert request.forced_bos_token_id == mbart.convert_tokens_to_ids("de_DE")
+
+
+def test_the_generation_configs_banned_tokens_are_never_generated(text_model, make_llm):
+    """Marian's generation configs ban <pad> (bad_words_ids [[pad]]): translate follows, as HF generate does."""
+    path = text_model("marian")
+    llm = make_llm(path, num_kv_blocks=300)
+    gc = llm.engine.generation_config
+    saved = gc.bad_words_ids
+    tok = llm.get_tokenizer()
+    first = [tok(t)["input_ids"] for t in TEXTS]
+    model_first = [hf_generate(path, ids, max_new_tokens=1, do_sample=False)[0] for ids in first]
+    gc.bad_words_ids = [[tid] for tid in set(model_first)] + [[5, 6]]  # ban what it says first; longer: not mapped
+    try:
+        params = llm._translator.params(llm._translator.request(None, "de"))
+        assert set(params.suppress_tokens) == set(model_first)
+        out = llm.translate(TEXTS, target_language="de", max_tokens=5)
+        for text, ids in zip(out, first):
+            ref = hf_generate(path, ids, max_new_tokens=5, do_sample=False, bad_words_ids=gc.bad_words_ids[:-1])
+            assert text == tok.decode(ref, skip_special_tokens=True).strip()
+    finally:
+        gc.bad_words_ids = saved
