@@ -47,6 +47,24 @@ class PositionBias:
         queries = torch.arange(key_len - query_len, key_len, device=device)
         return self.gather(keys[None, :] - queries[:, None])
 
+    def additive_mask(self, query_len: int, key_len: int, causal: bool, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+        """[num_heads, query_len, key_len] attention mask of one sequence shape: the bias, and -inf past each
+        query when causal."""
+        mask = self.block(query_len, key_len, device).to(dtype)
+        if causal:
+            keys = torch.arange(key_len, device=device)
+            queries = torch.arange(key_len - query_len, key_len, device=device)
+            mask = mask.masked_fill(keys[None, :] > queries[:, None], float("-inf"))
+        return mask
+
+    def padded_mask(self, query_positions: torch.Tensor, key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The mask of a padded batch: query_positions [n, max_q] over keys 0 .. max_key - 1, the bias where
+        key_mask [n, 1, max_q, max_key] attends and -inf elsewhere -> [n, num_heads, max_q, max_key]."""
+        keys = torch.arange(key_mask.shape[-1], device=query_positions.device)
+        values = self.gather(keys[None, None, :] - query_positions[:, :, None]).transpose(0, 1)
+        return values.to(dtype).masked_fill(~key_mask, float("-inf"))
+
 
 # -- T5 ----------------------------------------------------------------------------------------------------
 

@@ -43,11 +43,8 @@ class _GatherPlan:
     def additive_mask(self, bias: PositionBias, dtype: torch.dtype) -> torch.Tensor:
         """[num_seqs, heads, max_query_len, max_key_len]: the bias where key_mask attends, -inf elsewhere."""
         held = self.bias_masks.get(id(bias))
-        if held is None:
-            keys = torch.arange(self.key_mask.shape[-1], device=self.slots.device)
-            values = bias.gather(keys[None, None, :] - self.query_positions[:, :, None]).transpose(0, 1)
-            mask = values.to(dtype).masked_fill(~self.key_mask, float("-inf"))
-            held = self.bias_masks[id(bias)] = (bias, mask)  # the bias is held: its id stays its own
+        if held is None:  # the bias is held with its mask: its id stays its own
+            held = self.bias_masks[id(bias)] = (bias, bias.padded_mask(self.query_positions, self.key_mask, dtype))
         return held[1]
 
 
@@ -61,7 +58,8 @@ class FreshPlan:
         key = (id(bias), q_len, k_len)
         held = self.bias_blocks.get(key)
         if held is None:  # the bias is held with its mask: its id stays its own
-            held = self.bias_blocks[key] = (bias, bias_block(bias, q_len, k_len, causal, query))
+            mask = bias.additive_mask(q_len, k_len, causal, query.dtype, query.device)[None]  # [1, H, q, k]
+            held = self.bias_blocks[key] = (bias, mask)
         return held[1]
 
 
@@ -362,17 +360,6 @@ class TorchSDPABackend:
             else:
                 out[rows] = o
         return out
-
-
-def bias_block(bias: PositionBias, q_len: int, k_len: int, causal: bool, query: torch.Tensor) -> torch.Tensor:
-    """[1, heads, q_len, k_len] additive mask of one sequence shape: the bias, -inf past each query when
-    causal (queries are the last q_len keys)."""
-    block = bias.block(q_len, k_len, query.device).to(query.dtype)
-    if causal:
-        keys = torch.arange(k_len, device=query.device)
-        queries = torch.arange(k_len - q_len, k_len, device=query.device)
-        block = block.masked_fill(keys[None, :] > queries[:, None], float("-inf"))
-    return block[None]
 
 
 def _uniform(starts: list[int], length: int) -> bool:
