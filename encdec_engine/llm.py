@@ -1,4 +1,4 @@
-"""The offline Python API: `LLM.generate`, `LLM.summarize` and `LLM.transcribe`."""
+"""The offline Python API: `LLM.generate`, `LLM.summarize`, `LLM.translate` and `LLM.transcribe`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ from encdec_engine.inputs.audio import audio_inputs
 from encdec_engine.speech.offline import TranscriptionUpdate, stream_transcriptions
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.results import Segment, Transcription
+from encdec_engine.translation.conventions import task_settings
+from encdec_engine.translation.tasks import Translator, summarization_prefix
+from encdec_engine.checkpoints.generation_config import generation_sampling_params
 
 
 class LLM:
@@ -37,6 +40,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._request_ids = itertools.count()
         self._busy: str | None = None  # what holds the engine: one run steps it at a time
+        self._translator: Translator | None = None  # made at the first translate
 
     @contextmanager
     def _exclusive(self, what: str):
@@ -161,8 +165,10 @@ class LLM:
             raise ValueError("summarize needs a tokenizer (skip_tokenizer_init=True was set)")
         limit = self.engine.input_processor.max_encoder_len
         start = [self.engine.input_processor.decoder_start_token_id]
-        prompts = [{"encoder_prompt": {"prompt_token_ids": tok(t, truncation=True, max_length=limit)["input_ids"]},
-                    "decoder_prompt": {"prompt_token_ids": start}} for t in texts]
+        prefix = summarization_prefix(self.engine.hf_config)  # T5: "summarize: "
+        encoded = [tok(prefix + t, truncation=True, max_length=limit)["input_ids"] for t in texts]
+        prompts = [{"encoder_prompt": {"prompt_token_ids": ids}, "decoder_prompt": {"prompt_token_ids": start}}
+                   for ids in encoded]
         for i, t in enumerate(texts):
             if not t.strip():
                 raise ValueError(f"text {i} is empty")
@@ -171,6 +177,33 @@ class LLM:
         if failed:
             raise RuntimeError(f"summarizing failed for {'; '.join(failed)}")
         return [o.outputs[0].text.strip() for o in outs]
+
+
+    def translate(self, texts: str | Sequence[str], source_language: str | None = None,
+                  target_language: str | None = None, use_tqdm: bool = False, **overrides) -> list[str]:
+        """Translations as HF `generate` makes them with the checkpoint's generation config, the languages
+        told the model its family's way (translation/conventions.py): T5's task prefix, Marian's >>xx<<
+        target token, mBART-50's, NLLB's and M2M100's source code and forced target code. Languages are
+        ISO 639-1 or 639-3 codes, English names, or the model's own codes (de_DE, deu_Latn); the source
+        defaults to English where the model needs one. `overrides` replace SamplingParams fields. A text
+        longer than the encoder's limit is a ValueError naming it."""
+        if isinstance(texts, str):
+            texts = [texts]
+        if self._translator is None:
+            self._translator = Translator(self.engine)
+        translator = self._translator
+        request = translator.request(source_language, target_language)
+        prompts = []
+        for i, text in enumerate(texts):
+            try:
+                prompts.append(translator.prompt(request, text))
+            except ValueError as e:
+                raise ValueError(f"text {i}: {e}") from None
+        outs = self.generate(prompts, translator.params(request, **overrides), use_tqdm=use_tqdm)
+        failed = [f"text {i}: {o.error}" for i, o in enumerate(outs) if o.error is not None]
+        if failed:
+            raise RuntimeError(f"translating failed for {'; '.join(failed)}")
+        return [translator.text(request, o.outputs[0].token_ids) for o in outs]
 
 
 class SegmentStream:
@@ -205,30 +238,8 @@ class SegmentStream:
 
 
 def summarization_params(engine: LLMEngine, **overrides) -> SamplingParams:
-    """Map the checkpoint's HF generation config onto SamplingParams.
-
-    Summaries start, as in HF, from the decoder start token alone, with BOS and
-    EOS forced by processors; HF's max_length/min_length count that start token.
-    """
-    gc = engine.generation_config
-    # HF: max/min_new_tokens win; else max/min_length count the start token; else 20 new tokens.
-    max_new = getattr(gc, "max_new_tokens", None) or max(1, (getattr(gc, "max_length", None) or 21) - 1)
-    min_new = getattr(gc, "min_new_tokens", None) or max(0, (getattr(gc, "min_length", None) or 0) - 1)
-    fields = dict(
-        temperature=0.0,
-        max_tokens=max_new,
-        min_tokens=min(min_new, max_new),
-        no_repeat_ngram_size=getattr(gc, "no_repeat_ngram_size", 0) or 0,
-        repetition_penalty=getattr(gc, "repetition_penalty", 1.0) or 1.0,
-        forced_bos_token_id=getattr(gc, "forced_bos_token_id", None),
-        forced_eos_token_id=getattr(gc, "forced_eos_token_id", None),
-        num_beams=getattr(gc, "num_beams", 1) or 1,
-        length_penalty=_or_default(getattr(gc, "length_penalty", None), 1.0),
-        early_stopping=_or_default(getattr(gc, "early_stopping", None), False),
-    )
-    fields.update(overrides)
-    return SamplingParams(**fields)
-
-
-def _or_default(value, default):
-    return default if value is None else value
+    """The checkpoint's HF generation config (with config.json's task_specific_params["summarization"], as
+    HF's summarization pipeline applies them) as SamplingParams; `overrides` replace fields."""
+    settings = task_settings(engine.hf_config, "summarization")
+    settings.pop("prefix", None)
+    return generation_sampling_params(engine.generation_config, settings, **overrides)

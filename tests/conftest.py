@@ -37,6 +37,26 @@ def bart_paths(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def text_model(tmp_path_factory):
+    """text_model(arch, name, hub_layout=False) -> the folder of a random-init T5 / mT5, mBART-50, Marian or
+    M2M100 / NLLB checkpoint (models/configs/<arch>.json's `name`) with its tokenizer; made once a session."""
+    from text_models import make_bart_family, make_t5
+
+    root = tmp_path_factory.mktemp("text")
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str, name: str = "small", hub_layout: bool = False) -> Path:
+        key = (arch, name, hub_layout)
+        if key not in made:
+            dst = root / f"{arch}-{name}{'-hub' if hub_layout else ''}"
+            made[key] = make_t5(dst, name, hub_layout) if arch == "t5" else make_bart_family(dst, arch, name,
+                                                                                             hub_layout)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def bart_path(bart_paths) -> Path:
     return bart_paths["small"]
 

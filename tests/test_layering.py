@@ -1,4 +1,4 @@
-"""Imports run one way, down: cli -> distributed -> server -> llm -> speech -> engine -> worker/inputs ->
+"""Imports run one way, down: cli -> distributed -> server -> llm -> speech/translation -> engine -> worker/inputs ->
 models -> attention/checkpoints -> quantization -> layers -> common, with no circle anywhere.
 
 The engine core (engine/, worker/, attention/, models/, layers/, quantization/) is model-agnostic: it never
@@ -19,7 +19,7 @@ LEVELS = {
     "models": 4,
     "worker": 5, "inputs": 5,
     "engine": 6,
-    "speech": 7,
+    "speech": 7, "translation": 7,
     "llm": 8,
     "server": 9,
     "distributed": 10,  # batch jobs and replicated serving on Ray; its flags and commands live in cli/

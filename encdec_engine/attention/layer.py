@@ -7,6 +7,7 @@ from torch import nn
 
 from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
+from encdec_engine.attention.position_bias import PositionBias
 
 
 class Attention(nn.Module):
@@ -41,10 +42,11 @@ class Attention(nn.Module):
         value: torch.Tensor | None,
         kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        position_bias: PositionBias | None = None,  # added to the scores per head (T5, ALiBi)
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         view = metadata.view(self.attn_type)
         q = query.view(-1, self.num_heads, self.head_dim)
         k = None if key is None else key.view(-1, self.num_kv_heads, self.head_dim)
         v = None if value is None else value.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, view, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache, view, self.scale, position_bias)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 
 from encdec_engine.checkpoints.json_files import read_json
+from encdec_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,55 @@ def load_generation_config(folder: Path, model_config) -> GenerationSettings:
         values = {key: value for key, value in read_json(path).items() if key not in _METADATA}
     _check_kinds(values, path)
     return GenerationSettings(values)
+
+
+def generation_sampling_params(generation_config, settings: dict | None = None, **overrides) -> SamplingParams:
+    """The checkpoint's HF generation config (updated by `settings`, e.g. a task's task_specific_params)
+    as SamplingParams, for requests that start, as in HF, from the decoder start token alone: BOS and EOS
+    forced by processors; HF's max_length/min_length count that start token; suppress_tokens and the
+    one-token bad_words_ids never generated (longer bad word sequences are not mapped). `overrides`
+    replace fields."""
+    values = {**generation_config.to_dict(), **(settings or {})}
+
+    def get(name: str):
+        return values.get(name)
+
+    # HF: max/min_new_tokens win; else max/min_length count the start token; else 20 new tokens.
+    max_new = get("max_new_tokens") or max(1, (get("max_length") or 21) - 1)
+    min_new = get("min_new_tokens") or max(0, (get("min_length") or 0) - 1)
+    fields = dict(
+        temperature=0.0,
+        max_tokens=max_new,
+        min_tokens=min(min_new, max_new),
+        no_repeat_ngram_size=get("no_repeat_ngram_size") or 0,
+        repetition_penalty=get("repetition_penalty") or 1.0,
+        forced_bos_token_id=get("forced_bos_token_id"),
+        forced_eos_token_id=get("forced_eos_token_id"),
+        num_beams=get("num_beams") or 1,
+        length_penalty=_or_default(get("length_penalty"), 1.0),
+        early_stopping=_or_default(get("early_stopping"), False),
+    )
+    # HF's bad_words_ids of one token are never generated (Marian's configs ban <pad> so): suppressed tokens
+    banned = [ids[0] for ids in get("bad_words_ids") or [] if isinstance(ids, list) and len(ids) == 1]
+    suppress = list(get("suppress_tokens") or []) + banned
+    if suppress:
+        fields["suppress_tokens"] = suppress
+    fields.update(overrides)
+    return SamplingParams(**fields)
+
+
+def _or_default(value, default):
+    return default if value is None else value
+
+
+def decoder_start_token_id(model_config, generation_config=None) -> int | None:
+    """The token HF's `generate` starts an encoder/decoder's decoder from: the generation config's, else
+    config.json's, else BOS (mBART-family configs may leave it out)."""
+    for source in (generation_config, model_config):
+        value = getattr(source, "decoder_start_token_id", None)
+        if value is not None:
+            return value
+    return getattr(model_config, "bos_token_id", None)
 
 
 def _is_int(value) -> bool:

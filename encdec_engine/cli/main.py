@@ -2,7 +2,8 @@
 
 Imports stay light until a command runs: torch and the engine load inside the commands (1.2 s), so
 `--help` and argument errors answer at once. `transcribe` lives in transcribe.py (its flags in
-transcribe_args.py), `serve` in serve.py, the `--ray` variants in ray.py, the shared flags in args.py.
+transcribe_args.py), `translate` in translate.py, `serve` in serve.py, the `--ray` variants in ray.py, the
+shared flags in args.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from encdec_engine.cli.ray import add_ray_args, ray_command, split_ray_address
 from encdec_engine.distributed.cluster import RayNotInstalled
 from encdec_engine.checkpoints.names import resolve
 from encdec_engine.cli.serve import add_serve_parser
+from encdec_engine.cli.translate import add_translate_parser
 from encdec_engine.inputs.documents import MAX_DOCUMENT_BYTES, read_document
 from encdec_engine.inputs.prompt_files import load_prompt_file
 from encdec_engine.sampling_params import SamplingParams
@@ -108,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     summ.add_argument("--quiet", action="store_true", help="no progress bar")
     summ.set_defaults(func=cmd_summarize)
 
+    add_translate_parser(sub)
     add_serve_parser(sub)
 
     dl = sub.add_parser("download", help="fetch a model by name or hub id into the cache, for use offline",
@@ -123,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands that are done once their output is written. The `encdec` program leaves right after them
 # (`run`) instead of tearing the interpreter down: with torch loaded that teardown costs 0.3-0.5 s,
 # a tenth of a one-file transcription. Ray jobs and the server exit the usual way.
-ONE_SHOT_COMMANDS = ("transcribe", "summarize", "generate", "download")
+ONE_SHOT_COMMANDS = ("transcribe", "summarize", "translate", "generate", "download")
 
 
 def main(argv: list[str] | None = None) -> int:

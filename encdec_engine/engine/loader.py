@@ -16,7 +16,7 @@ from encdec_engine.config import EngineConfig
 from encdec_engine.worker.cpu_kernels import prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.encdec_layers import EncDecAttention
-from encdec_engine.checkpoints.generation_config import load_generation_config
+from encdec_engine.checkpoints.generation_config import decoder_start_token_id, load_generation_config
 from encdec_engine.checkpoints.model_config import read_whisper_config
 from encdec_engine.checkpoints.names import resolve
 from encdec_engine.checkpoints.tokenizer_files import load_tokenizer, tokenizer_if_any
@@ -141,7 +141,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         model=model, tokenizer=tokenizer, hf_config=hf_config, generation_config=generation_config,
         backend=backend, vocab_size=hf_config.vocab_size, max_decoder_len=model.max_decoder_len,
         max_encoder_len=model.max_encoder_len,
-        decoder_start_token_id=getattr(hf_config, "decoder_start_token_id", None) if model.is_encoder_decoder else None,
+        decoder_start_token_id=(decoder_start_token_id(hf_config, generation_config) if model.is_encoder_decoder
+                                else None),
         default_decoder_prompt=model.default_decoder_prompt(generation_config) if model.is_encoder_decoder else None,
         eos_token_id=eos,
         eos_token_ids=stop,

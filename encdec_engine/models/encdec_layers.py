@@ -1,8 +1,10 @@
-"""The attention and layer shared by the BART family and Whisper.
+"""The attention and layer shared by the BART family (BART, mBART, Marian, M2M100), Whisper and T5.
 
 One attention class serves encoder self-, decoder self- and cross-attention
-(parameterized by its AttentionType); one layer serves the encoder and (with
-cross-attention) the decoder, post-norm (BART) or pre-norm (Whisper).
+(parameterized by its AttentionType), with or without projection biases, any
+head size and scaling (T5: none, and a position bias added inside attention);
+one layer serves the encoder and (with cross-attention) the decoder of the BART
+family and Whisper, post-norm (BART, Marian) or pre-norm (mBART, M2M100, Whisper).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.layer import Attention
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
+from encdec_engine.attention.position_bias import PositionBias
 from encdec_engine.layers.activation import get_activation
 from encdec_engine.models.interface import KVCacheSpec
 
@@ -28,21 +31,24 @@ class EncDecAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType, backend: AttentionBackend,
-                 prescale_query: bool = False, layer_index: int = 0) -> None:
+                 prescale_query: bool = False, layer_index: int = 0, head_dim: int | None = None,
+                 bias: bool = True, scaling: float | None = None) -> None:
         super().__init__()
         self.layer_index = layer_index  # cross-attention: the decoder layer a capture names
-        head_dim = d_model // num_heads
-        if head_dim * num_heads != d_model:
-            raise ValueError(f"d_model {d_model} is not divisible by {num_heads} heads")
+        if head_dim is None:  # the BART family and Whisper: the heads split d_model
+            head_dim = d_model // num_heads
+            if head_dim * num_heads != d_model:
+                raise ValueError(f"d_model {d_model} is not divisible by {num_heads} heads")
+        inner = num_heads * head_dim
         self.attn_type = attn_type
-        self.scaling = head_dim**-0.5
+        self.scaling = head_dim**-0.5 if scaling is None else scaling
         self.prescale_query = prescale_query
         if attn_type == AttentionType.ENCODER_DECODER:
-            self.q_proj = nn.Linear(d_model, d_model)
-            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+            self.q_proj = nn.Linear(d_model, inner, bias=bias)
+            self.kv_proj = nn.Linear(d_model, 2 * inner, bias=bias)
         else:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+            self.qkv_proj = nn.Linear(d_model, 3 * inner, bias=bias)
+        self.out_proj = nn.Linear(inner, d_model, bias=bias)
         self.query_scaling_folded = False  # see fold_query_scaling
         self.attn = Attention(num_heads, head_dim, 1.0 if prescale_query else self.scaling, attn_type, backend)
 
@@ -57,7 +63,7 @@ class EncDecAttention(nn.Module):
         proj = self.q_proj if self.attn_type == AttentionType.ENCODER_DECODER else self.qkv_proj
         if type(proj) is not nn.Linear or proj.weight.dtype != torch.float32:  # packed or quantized already
             return False
-        rows = self.out_proj.in_features
+        rows = self.out_proj.in_features  # q's rows of the fused projection
         with torch.no_grad():
             proj.weight[:rows] *= self.scaling
             if proj.bias is not None:
@@ -71,6 +77,7 @@ class EncDecAttention(nn.Module):
         kv_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
         encoder_hidden: torch.Tensor | None = None,  # [num_encoder_tokens, d_model], prefill only
+        position_bias: PositionBias | None = None,  # T5's relative position bias (self-attention)
     ) -> torch.Tensor:
         if self.attn_type == AttentionType.ENCODER_DECODER:
             q = self.q_proj(hidden)
@@ -78,10 +85,10 @@ class EncDecAttention(nn.Module):
             if encoder_hidden is not None:  # decode steps read the cross cache instead
                 k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)
         else:
-            q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
+            q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)  # [num_tokens, num_heads * head_dim] each
         if self.prescale_query and not self.query_scaling_folded:
             q = q * self.scaling
-        out = self.attn(q, k, v, kv_cache, metadata)
+        out = self.attn(q, k, v, kv_cache, metadata, position_bias)
         if metadata.capture is not None and self.attn_type == AttentionType.ENCODER_DECODER:
             metadata.capture.record(self.layer_index, q, kv_cache, self.attn.scale)  # the cross cache is written
         return self.out_proj(out)

@@ -24,6 +24,7 @@ from encdec_engine.attention.layer import Attention
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.layers.activation import get_activation
 from encdec_engine.layers.linear import VocabProjection
+from encdec_engine.layers.norms import RMSNorm
 from encdec_engine.layers.rotary import RotaryEmbedding, apply_rotary, default_inv_freq
 from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec
 from encdec_engine.checkpoints.weights import WeightLoader
@@ -45,20 +46,6 @@ def make_rotary(config, head_dim: int) -> RotaryEmbedding:
             inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
         return RotaryEmbedding(inv_freq, attention_scaling)
     raise ValueError(f"Llama rope type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}")
-
-
-class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm: normalize in float32, scale in the input dtype."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = hidden.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(hidden.dtype)
 
 
 class LlamaAttention(nn.Module):

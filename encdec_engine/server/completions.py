@@ -1,7 +1,10 @@
-"""POST /v1/completions for text models (BART: the prompt is the encoder prompt), whole or streamed."""
+"""POST /v1/completions for text models (BART, T5, ...: the prompt is the encoder prompt), whole or streamed.
+With a target_language, text prompts of a translation model are told the languages its family's way
+(translation/conventions.py), and the forced target code is left out of the text."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import defaultdict
@@ -14,7 +17,7 @@ from encdec_engine.server import protocol as P
 from encdec_engine.server.errors import APIError, engine_error
 from encdec_engine.server.limits import check_request_tokens
 from encdec_engine.server.state import ServerState, SSEResponse, sse, sse_error, state_of, until_disconnect
-from encdec_engine.outputs import RequestOutput
+from encdec_engine.outputs import CompletionOutput, RequestOutput
 
 router = APIRouter()
 
@@ -29,6 +32,9 @@ async def create_completion(body: P.CompletionRequest, request: Request) -> Resp
     except ValueError as e:
         raise APIError(400, str(e)) from None
     prompts, request_id = body.prompt, f"cmpl-{uuid.uuid4().hex}"
+    strip = ""  # the forced target code's text, where the detokenizer writes one
+    if body.target_language is not None:
+        prompts, params, strip = await _translation(st, body, params)
     # A sequence never outgrows the model (a max_tokens past it is refused by the engine, naming the limit).
     model_len = st.engine.engine.max_decoder_len
     check_request_tokens(st.limits, len(prompts), params.best_of, min(params.max_tokens or model_len, model_len),
@@ -49,7 +55,7 @@ async def create_completion(body: P.CompletionRequest, request: Request) -> Resp
     try:
         if body.stream:  # the first output (or a bad prompt's 400) comes before the stream starts
             first = await until_disconnect(request, next_output())
-            events = _completion_stream(st, body, request_id, first, next_output)
+            events = _completion_stream(st, body, request_id, first, next_output, strip)
             handed_over = True
             return SSEResponse(events, outputs, ticket)
 
@@ -66,10 +72,35 @@ async def create_completion(body: P.CompletionRequest, request: Request) -> Resp
     finally:
         if not handed_over:
             ticket.release_all()
-    choices = [_choice(st, body, i * body.n + j, c.text, c.token_ids, c.logprobs, c.finish_reason)
+    choices = [_choice(st, body, i * body.n + j, _text(c, strip), c.token_ids, c.logprobs, c.finish_reason)
                for i, out in enumerate(finals) for j, c in enumerate(out.outputs)]
     return JSONResponse(P.CompletionResponse(id=request_id, model=st.model_name, choices=choices,
                                              usage=P.usage_of(finals)).model_dump())
+
+
+async def _translation(st: ServerState, body: P.CompletionRequest, params) -> tuple[list, object, str]:
+    """The prompts, sampling parameters and forced code text of a request with a target_language: text
+    encoder prompts are encoded the model's way (off the event loop), token prompts are taken as they are."""
+    translator = st.translator()
+    try:
+        request = translator.request(body.source_language, body.target_language)
+    except ValueError as e:
+        raise APIError(400, str(e), "target_language") from None
+
+    def encode() -> list:
+        return [translator.translation_prompt(request, p) for p in body.prompt]
+
+    async with st.preprocess:
+        try:
+            prompts = await asyncio.to_thread(encode)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
+    return prompts, translator.with_target(request, params), translator.target_code_text(request)
+
+
+def _text(c: CompletionOutput, strip: str) -> str:
+    """The completion's text without the forced target code's ("" when the code is a special token)."""
+    return c.text[len(strip):].lstrip() if strip and c.text.startswith(strip) else c.text
 
 
 def _choice(st: ServerState, body: P.CompletionRequest, index: int, text: str, token_ids: list[int],
@@ -82,7 +113,7 @@ def _choice(st: ServerState, body: P.CompletionRequest, index: int, text: str, t
 
 
 async def _completion_stream(st: ServerState, body: P.CompletionRequest, request_id: str, first,
-                             next_output) -> AsyncIterator[str]:
+                             next_output, strip: str = "") -> AsyncIterator[str]:
     """SSE chunks of text deltas; text that might still turn out to be a stop string is held back."""
     params_stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     hold = max((len(s) for s in params_stop), default=1) - 1
@@ -103,7 +134,8 @@ async def _completion_stream(st: ServerState, body: P.CompletionRequest, request
                 key = i * body.n + j
                 if key in done:
                     continue
-                text = c.text if c.finish_reason else c.text[: max(0, len(c.text) - hold)]
+                text = _text(c, strip)
+                text = text if c.finish_reason else text[: max(0, len(text) - hold)]
                 prev = sent_text[key]
                 delta = text[len(prev):] if len(text) > len(prev) and text.startswith(prev) else ""
                 if not delta and c.finish_reason is None:

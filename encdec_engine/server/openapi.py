@@ -51,6 +51,8 @@ SEMANTIC_RULES = {
         "prompt N: ", "encoder prompt: ", "decoder prompt: ",  # the prompt as the engine reads it
         "logit_bias: token id",
         "SamplingParams.",
+        "target_language", "source_language",  # a language the model does not have, a model that does not translate
+        "a text to translate is empty",
     ),
     "audio": (
         "cannot decode the uploaded audio",

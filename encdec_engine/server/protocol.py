@@ -205,6 +205,10 @@ class CompletionRequest(BaseModel):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     bad_words: list[BadWord] | None = Field(None, max_length=MAX_BAD_WORDS)
+    # Translation (T5, mT5, Marian, mBART, M2M100, NLLB): text prompts are told the languages the model's way
+    # (translation/conventions.py) and the target's code is forced first where the model wants it.
+    target_language: str | None = Field(None, min_length=1, max_length=MAX_LANGUAGE_CHARS)
+    source_language: str | None = Field(None, min_length=1, max_length=MAX_LANGUAGE_CHARS)
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=lambda s: _nullable_optionals(s))
 
@@ -238,6 +242,8 @@ class CompletionRequest(BaseModel):
             raise ValueError("best_of must equal n when streaming")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream=true")
+        if self.source_language is not None and self.target_language is None:
+            raise ValueError("source_language needs target_language")
         return self
 
     def sampling_params(self) -> SamplingParams:

@@ -17,6 +17,7 @@ from encdec_engine.engine.async_engine import AsyncLLMEngine
 from encdec_engine.server.errors import APIError, engine_error
 from encdec_engine.server.limits import Admission, AudioMemory, Reservation, ServerLimits, Ticket
 from encdec_engine.server.metrics import Metrics
+from encdec_engine.translation.tasks import Translator
 
 T = TypeVar("T")
 
@@ -35,6 +36,17 @@ class ServerState:
         self.audio_memory = AudioMemory(int(limits.max_audio_memory_mb * (1 << 20)), limits.max_client_audio_bytes)
         self.metrics = Metrics()
         self.preprocess = asyncio.Semaphore(limits.preprocess_workers)
+        self._translator: Translator | None = None
+
+    def translator(self) -> Translator:
+        """The model's translation convention (made at the first request with a target_language); a 400
+        for a model that does not translate by language codes."""
+        if self._translator is None:
+            try:
+                self._translator = Translator(self.engine.engine)
+            except ValueError as e:
+                raise APIError(400, f"target_language: {e}", "target_language") from None
+        return self._translator
 
     def check_model(self, name: str | None) -> None:
         if name and name not in self.aliases:
@@ -45,7 +57,8 @@ class ServerState:
             raise APIError(404, f"{path} needs a speech model (Whisper); this server runs the text model "
                                 f"{self.model_name!r}: use /v1/completions")
         if not audio and self.is_audio:
-            raise APIError(404, f"{path} needs a text model (BART or decoder-only); this server runs the speech "
+            raise APIError(404, f"{path} needs a text model (BART, T5, a translation model or decoder-only); this "
+                                f"server runs the speech "
                                 f"model {self.model_name!r}: use /v1/audio/transcriptions")
 
 

@@ -220,7 +220,9 @@ def test_cross_decode_reads_a_head_major_copy_that_follows_every_write():
     k, v, _ = _contiguous_context(cache, 1, length, seed=2)
     check(_cross_decode(backend, cache, [table_a], [length], q), k, v)
 
-    # Copy-on-write into one of its blocks, through the cache engine.
+    # Copy-on-write into one of its blocks, through the cache engine (from a block holding values: the pool
+    # is allocated with torch.empty, and a never-written block may hold NaNs).
+    cache[:, table_b[0]] = torch.randn(cache[:, table_b[0]].shape, generator=torch.Generator().manual_seed(3))
     engine.copy([(table_b[0], table_a[3])])
     assert not backend.head_major.copies
     k[3 * BS : 4 * BS], v[3 * BS : 4 * BS] = cache[0, table_b[0]], cache[1, table_b[0]]

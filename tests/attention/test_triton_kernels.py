@@ -206,6 +206,41 @@ def test_paged_decode_int8_cache_matches_dequantized_reference(case, query_dtype
     torch.testing.assert_close(backend.forward(q, None, None, cache, view, scale).double(), ref, **tol)
 
 
+@pytest.mark.parametrize("kind", ["t5", "alibi"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("partition_size", [None, 32])
+def test_paged_decode_adds_a_position_bias(kind, cache_dtype, partition_size):
+    """T5 buckets and ALiBi slopes through the kernel's bias table: naive attention with the bias written
+    out per key, and the torch backend's."""
+    from encdec_engine.attention.position_bias import alibi_bias, alibi_slopes, t5_bucket_index, t5_position_bias
+
+    num_heads, num_kv_heads, head_dim, block_size, k_lens = 6, 2, 12, 4, [1, 17, 70, 33]
+    torch.manual_seed(11)
+    if kind == "t5":
+        index, low = t5_bucket_index(False, 8, 20)
+        bias = t5_position_bias(torch.randn(8, num_heads), index, low)
+    else:
+        bias = alibi_bias(alibi_slopes(num_heads), 128)
+    cache, tables, ks, vs = paged_cache(k_lens, num_kv_heads, head_dim, block_size, cache_dtype,
+                                        np.random.default_rng(11))
+    scale = head_dim**-0.5
+    q = torch.randn(len(k_lens), num_heads, head_dim)
+    out = paged_attention.paged_decode_attention(q, cache, tables, torch.tensor(k_lens), scale, block_size,
+                                                 max_key_len=max(k_lens), partition_size=partition_size,
+                                                 position_bias=bias)
+    for i, n in enumerate(k_lens):
+        mask = bias.block(1, n)[:, 0]  # [H, n]: the query is the last key
+        rep = num_heads // num_kv_heads
+        k, v = ks[i].double().repeat_interleave(rep, 1), vs[i].double().repeat_interleave(rep, 1)
+        scores = torch.einsum("hd,khd->hk", q[i].double(), k) * scale + mask.double()
+        ref = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+        torch.testing.assert_close(out[i].double(), ref, rtol=1e-5, atol=1e-5)
+    view = make_view([1] * len(k_lens), k_lens, True, block_tables=tables)
+    backend = TorchSDPABackend(block_size)
+    backend.plan(AttentionMetadata(decoder=view, block_size=block_size))
+    torch.testing.assert_close(out, backend.forward(q, None, None, cache, view, scale, bias), rtol=1e-5, atol=1e-5)
+
+
 def spare_capacity_case(k_lens, block_size: int, spare_columns: int, seed: int, head_dim: int = 16):
     """fp32 cache, tables with `spare_columns` unused columns (a CUDA graph's capacity), 4 query heads on 2."""
     torch.manual_seed(seed)
@@ -344,6 +379,42 @@ def test_backend_prefill_over_cached_prefix(backend, cache_dtype):
     ref = TorchSDPABackend(BS).forward(q, None, None, cache, make_view(q_lens, k_lens, True, block_tables=tables),
                                        D**-0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_takes_a_position_bias_in_prefill_and_decode(backend, caplog):
+    """Prefill with a bias runs on torch SDPA (the flash op takes none), saying so once; decode reads the
+    bias table in the Triton kernel. Both equal the torch backend."""
+    from encdec_engine.attention.position_bias import t5_bucket_index, t5_position_bias
+
+    torch.manual_seed(6)
+    H, D, BS = 4, 8, 4
+    index, low = t5_bucket_index(False, 8, 10)
+    bias = t5_position_bias(torch.randn(8, H), index, low)
+    q_lens = [3, 9, 1]
+    tables = torch.from_numpy(pad_rows([[5, 2, 7], [1, 3, 4, 6], [8]]))
+    pos = [np.arange(n) for n in q_lens]
+    slots = torch.from_numpy(np.concatenate([tables[i].numpy()[p // BS] * BS + p % BS for i, p in enumerate(pos)]))
+    k_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).tolist()
+    q, k, v = torch.randn(13, H, D), torch.randn(13, H, D), torch.randn(13, H, D)
+    caches = [torch.zeros(2, 9, BS, H, D) for _ in range(2)]
+    outs = []
+    with caplog.at_level(logging.WARNING):
+        for b, cache in zip((backend, TorchSDPABackend(BS)), caches):
+            view = make_view(q_lens, q_lens, True, slot_mapping=slots, key_start_loc=k_start)
+            b.plan(AttentionMetadata(decoder=view, block_size=BS))
+            outs.append(b.forward(q, k, v, cache, view, 1.0, bias))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[0], caches[1])
+    assert "position bias" in caplog.text
+    lens = [n + 1 for n in q_lens]
+    new_slots = torch.tensor([int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS for i, n in enumerate(lens)])
+    q, k, v = torch.randn(3, H, D), torch.randn(3, H, D), torch.randn(3, H, D)
+    outs = []
+    for b, cache in zip((backend, TorchSDPABackend(BS)), caches):
+        view = make_view([1, 1, 1], lens, True, slot_mapping=new_slots, block_tables=tables)
+        b.plan(AttentionMetadata(decoder=view, block_size=BS))
+        outs.append(b.forward(q, k, v, cache, view, 1.0, bias))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
 def test_backend_falls_back_to_torch_explicitly_and_logs_once(caplog):

@@ -8,6 +8,7 @@ import torch
 
 from encdec_engine.quantization.kv_int8 import write_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
+from encdec_engine.attention.position_bias import PositionBias
 
 
 class AttentionBackend(Protocol):
@@ -27,8 +28,10 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, num_kv_heads, row_width (head_dim unless int8)]
         view: AttentionView,
         scale: float,
+        position_bias: PositionBias | None = None,  # [heads] x relative position, added to the scores
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store new K/V at `view.slot_mapping` (if any), then attend as the view says."""
+        """Store new K/V at `view.slot_mapping` (if any), then attend as the view says: softmax(q k^T
+        * scale + bias) v, the bias taken at each key's position relative to its query's."""
         ...
 
 

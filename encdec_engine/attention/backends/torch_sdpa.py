@@ -4,6 +4,10 @@ Never materializes an O(total_tokens^2) mask: fresh prefill attention runs
 per sequence (sequences of equal shape are batched into one call), and
 cache reads gather each sequence's context into a batch padded to the
 longest context of this step, with a [num_seqs, max_key_len] padding mask.
+A position bias (attention/position_bias.py) becomes an additive mask of the
+same extent: [heads, q, k] per sequence shape, [num_seqs, heads, max_q, max_key]
+per padded batch (made once per step and bias, shared by the layers), or
+[heads, key_len] rows added to the scores of an in-place decode read.
 Decode reads of a cross context read in place (fp32, or an int8 pool's rows
 dequantized) go through a head-major copy of it (`HeadMajorContexts`), kept
 while decode steps read it.
@@ -12,7 +16,7 @@ while decode steps read it.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from encdec_engine.attention.backends.base import store_kv
 from encdec_engine.quantization.kv_int8 import as_stored, attend_int8_rows, num_groups, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
+from encdec_engine.attention.position_bias import PositionBias
 
 _SLICE_MIN_KEYS = 128  # below this, one padded gather beats a loop over sequences (a lone one reads in place)
 HEAD_MAJOR_BUDGET = 256 * 2**20  # bytes of head-major cross-context copies a backend may hold
@@ -32,6 +37,30 @@ class _GatherPlan:
 
     slots: torch.Tensor  # [num_seqs * max_key_len] cache slot per padded key
     key_mask: torch.Tensor  # [num_seqs, 1, max_query_len, max_key_len] True = attend
+    query_positions: torch.Tensor  # [num_seqs, max_query_len] position of each query among its sequence's keys
+    bias_masks: dict = field(default_factory=dict)  # id(bias) -> (bias, additive mask): one per bias and step
+
+    def additive_mask(self, bias: PositionBias, dtype: torch.dtype) -> torch.Tensor:
+        """[num_seqs, heads, max_query_len, max_key_len]: the bias where key_mask attends, -inf elsewhere."""
+        held = self.bias_masks.get(id(bias))
+        if held is None:  # the bias is held with its mask: its id stays its own
+            held = self.bias_masks[id(bias)] = (bias, bias.padded_mask(self.query_positions, self.key_mask, dtype))
+        return held[1]
+
+
+@dataclass
+class FreshPlan:
+    """Attention over this step's K/V: the position-bias masks of its sequence shapes, made once per step."""
+
+    bias_blocks: dict = field(default_factory=dict)  # (id(bias), q_len, k_len) -> (bias, [1, H, q, k] mask)
+
+    def bias_block(self, bias: PositionBias, q_len: int, k_len: int, causal: bool, query: torch.Tensor):
+        key = (id(bias), q_len, k_len)
+        held = self.bias_blocks.get(key)
+        if held is None:  # the bias is held with its mask: its id stays its own
+            mask = bias.additive_mask(q_len, k_len, causal, query.dtype, query.device)[None]  # [1, H, q, k]
+            held = self.bias_blocks[key] = (bias, mask)
+        return held[1]
 
 
 @dataclass
@@ -51,14 +80,14 @@ def plan_gather(view: AttentionView, block_size: int) -> _GatherPlan:
     valid = pos[None, :] < view.key_lens[:, None]  # [num_seqs, max_key_len]
     slots = torch.where(valid, blocks * block_size + pos % block_size, 0)
     mask = valid[:, None, None, :]
+    # Bottom-right aligned: query j of a sequence with q queries and k keys is at position k - q + j
+    # (and, causal, sees keys up to it).
+    q_lens = view.query_start_loc[1:] - view.query_start_loc[:-1]
+    j = torch.arange(view.max_query_len, device=device)
+    query_positions = view.key_lens[:, None] - q_lens[:, None] + j[None, :]  # [num_seqs, max_query_len]
     if view.causal and view.max_query_len > 1:
-        # Bottom-right aligned: query j of a sequence with q queries and k keys
-        # sees keys up to k - q + j.
-        q_lens = view.query_start_loc[1:] - view.query_start_loc[:-1]
-        j = torch.arange(view.max_query_len, device=device)
-        last_key = view.key_lens[:, None] - q_lens[:, None] + j[None, :]  # [num_seqs, max_query_len]
-        mask = mask & (pos[None, None, :] <= last_key[:, :, None])[:, None]
-    return _GatherPlan(slots.reshape(-1), mask)
+        mask = mask & (pos[None, None, :] <= query_positions[:, :, None])[:, None]
+    return _GatherPlan(slots.reshape(-1), mask, query_positions)
 
 
 def plan_slices(view: AttentionView, block_size: int) -> _SlicePlan | None:
@@ -151,6 +180,9 @@ class TorchSDPABackend:
         self.head_major.keep(set())
 
     def plan(self, metadata: AttentionMetadata) -> None:
+        for view in (metadata.encoder, metadata.decoder, metadata.cross):
+            if view is not None and not view.reads_cache:
+                view.plan = FreshPlan()
         for view in (metadata.decoder, metadata.cross):
             if view is not None:
                 self.head_major.slots_written(view.slot_mapping)
@@ -166,17 +198,20 @@ class TorchSDPABackend:
             self.head_major.keep({context for v in decode_reads if isinstance(v.plan, _SlicePlan)
                                   for context in zip(v.plan.starts, v.key_lens_list)})
 
-    def forward(self, query, key, value, kv_cache, view: AttentionView, scale: float) -> torch.Tensor:
+    def forward(self, query, key, value, kv_cache, view: AttentionView, scale: float,
+                position_bias: PositionBias | None = None) -> torch.Tensor:
         if key is not None and view.slot_mapping is not None and kv_cache is not None:
             store_kv(key, value, kv_cache, view.slot_mapping)
             if not view.reads_cache:  # attend to the K/V as the cache holds them (int8: rounded)
                 key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
         if view.reads_cache:
-            return self._attend_cache(query, kv_cache, view, scale)
-        return self._attend_fresh(query, key, value, view, scale)
+            return self._attend_cache(query, kv_cache, view, scale, position_bias)
+        return self._attend_fresh(query, key, value, view, scale, position_bias)
 
-    def _attend_fresh(self, query, key, value, view: AttentionView, scale: float) -> torch.Tensor:
-        """Block-diagonal attention over this step's K/V, one SDPA call per sequence shape."""
+    def _attend_fresh(self, query, key, value, view: AttentionView, scale: float,
+                      position_bias: PositionBias | None = None) -> torch.Tensor:
+        """Block-diagonal attention over this step's K/V, one SDPA call per sequence shape (with a
+        position bias, one [heads, q, k] mask per shape: its sequences share their relative positions)."""
         q_loc, k_loc, k_lens = view.query_start_loc_list, view.key_start_loc_list, view.key_lens_list
         out = torch.empty_like(query)
         by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -186,12 +221,18 @@ class TorchSDPABackend:
         for (q_len, k_len), seqs in by_shape.items():
             if q_len == 0:
                 continue
+            mask = None
+            if position_bias is not None:
+                fresh = view.plan if isinstance(view.plan, FreshPlan) else FreshPlan()
+                mask = fresh.bias_block(position_bias, q_len, k_len, view.causal, query)
+            causal = view.causal and mask is None
             if len(seqs) == 1:
                 i = seqs[0]
                 q = query[q_loc[i] : q_loc[i + 1]].transpose(0, 1)[None]  # [1, H, q, D]
                 k = key[k_loc[i] : k_loc[i] + k_len].transpose(0, 1)[None]  # [1, Hkv, k, D]
                 v = value[k_loc[i] : k_loc[i] + k_len].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=view.causal, scale=scale, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                   enable_gqa=gqa)
                 out[q_loc[i] : q_loc[i + 1]] = o[0].transpose(0, 1)
                 continue
             n = len(seqs)
@@ -201,22 +242,25 @@ class TorchSDPABackend:
                 q = query.view(n, q_len, *query.shape[1:]).transpose(1, 2)  # [n, H, q, D]
                 k = key.view(n, k_len, *key.shape[1:]).transpose(1, 2)
                 v = value.view(n, k_len, *value.shape[1:]).transpose(1, 2)
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=view.causal, scale=scale, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                   enable_gqa=gqa)
                 return o.transpose(1, 2).reshape(query.shape)
             q_idx = _segments(q_loc, seqs, q_len, query.device)  # [n, q]
             k_idx = _segments(k_loc, seqs, k_len, query.device)  # [n, k]
             q = query[q_idx].transpose(1, 2)  # [n, H, q, D]
             k = key[k_idx].transpose(1, 2)
             v = value[k_idx].transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=view.causal, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
             out[q_idx.reshape(-1)] = o.transpose(1, 2).reshape(-1, *query.shape[1:])
         return out
 
-    def _attend_cache(self, query, kv_cache, view: AttentionView, scale: float) -> torch.Tensor:
+    def _attend_cache(self, query, kv_cache, view: AttentionView, scale: float,
+                      position_bias: PositionBias | None = None) -> torch.Tensor:
         """Paged attention: read each sequence's cached context in place or gathered, padded per batch."""
         if isinstance(view.plan, _SlicePlan):
-            return self._attend_slices(query, kv_cache, view, view.plan, scale)
+            return self._attend_slices(query, kv_cache, view, view.plan, scale, position_bias)
         plan = view.plan if isinstance(view.plan, _GatherPlan) else plan_gather(view, self.block_size)
+        key_mask = plan.key_mask if position_bias is None else plan.additive_mask(position_bias, query.dtype)
         _, _, _, num_kv_heads, width = kv_cache.shape
         num_seqs, max_key, head_dim = view.num_seqs, view.max_key_len, query.shape[-1]
         k = read_rows(kv_cache[0].view(-1, num_kv_heads, width).index_select(0, plan.slots), head_dim, query.dtype)
@@ -226,7 +270,8 @@ class TorchSDPABackend:
         gqa = query.shape[1] != num_kv_heads
         if view.max_query_len == 1:
             q = query[:, :, None, :].to(k.dtype)  # [n, H, 1, D]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.key_mask, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask.to(k.dtype) if key_mask.is_floating_point()
+                                               else key_mask, scale=scale, enable_gqa=gqa)
             return o[:, :, 0, :].to(query.dtype)
         out = torch.empty_like(query)
         q_loc = view.query_start_loc_list
@@ -235,14 +280,16 @@ class TorchSDPABackend:
             if q_len == 0:
                 continue
             q = query[q_loc[i] : q_loc[i + 1]].transpose(0, 1)[None].to(k.dtype)  # [1, H, q, D]
-            mask = plan.key_mask[i : i + 1, :, :q_len]
+            mask = key_mask[i : i + 1, :, :q_len]
+            mask = mask.to(k.dtype) if mask.is_floating_point() else mask
             o = F.scaled_dot_product_attention(q, k[i : i + 1], v[i : i + 1], attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
             out[q_loc[i] : q_loc[i + 1]] = o[0].transpose(0, 1).to(query.dtype)
         return out
 
 
-    def _attend_slices(self, query, kv_cache, view: AttentionView, plan: _SlicePlan, scale: float) -> torch.Tensor:
+    def _attend_slices(self, query, kv_cache, view: AttentionView, plan: _SlicePlan, scale: float,
+                       position_bias: PositionBias | None = None) -> torch.Tensor:
         """One query per sequence against its contiguous run of slots. In fp32, two batched matmuls over
         the kv heads: SDPA would copy the strided [L, H, D] -> [H, L, D] views first (4x slower for a
         1,500-key cross read). Sequences that read the same context (the beams or best_of samples of
@@ -251,18 +298,21 @@ class TorchSDPABackend:
         in fp32. An int8 cache with one scale per row is read with its scales applied to the scores
         and probabilities (`attend_int8_rows`); other int8 rows are dequantized one context at a time.
         A cross context (fp32 or int8 pool, fp32 queries) is read from its head-major copy while the
-        budget allows."""
+        budget allows. A position bias is added to each context's scores ([heads, key_len]: its readers'
+        one query each sits at its last key)."""
         _, _, _, num_kv_heads, width = kv_cache.shape
         head_dim = query.shape[-1]
         keys = kv_cache[0].view(-1, num_kv_heads, width)
         values = kv_cache[1].view(-1, num_kv_heads, width)
         group = query.shape[1] // num_kv_heads  # query heads per kv head
         out = torch.empty_like(query)
-        fold_scales = kv_cache.dtype == torch.int8 and query.dtype == torch.float32 and num_groups(head_dim) == 1
+        fold_scales = (kv_cache.dtype == torch.int8 and query.dtype == torch.float32 and num_groups(head_dim) == 1
+                       and position_bias is None)
         readers: dict[tuple[int, int], list[int]] = defaultdict(list)  # (first slot, length) -> sequences
         for i, context in enumerate(zip(plan.starts, view.key_lens_list)):
             readers[context].append(i)
         for (start, key_len), rows in readers.items():
+            bias = None if position_bias is None else position_bias.block(1, key_len, query.device)  # [H, 1, L]
             copy = None
             if not view.causal and query.dtype == torch.float32 and kv_cache.dtype in (torch.float32, torch.int8):
                 copy = self.head_major.get(kv_cache, start, key_len, head_dim)
@@ -278,9 +328,10 @@ class TorchSDPABackend:
                 v = read_rows(values[start : start + key_len], head_dim, query.dtype)
                 if k.dtype != torch.float32:
                     k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
+                    mask = None if bias is None else bias.to(k.dtype)
                     for i in rows:
                         q = query[i, :, None, :].to(k.dtype)  # [H, 1, D]
-                        o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=group > 1)
+                        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
                         out[i] = o[:, 0].to(query.dtype)
                     continue
                 keys_t, v = k.permute(1, 2, 0), v.transpose(0, 1)
@@ -292,7 +343,11 @@ class TorchSDPABackend:
                 q = q.reshape(num_kv_heads, n * group, head_dim)
             if scale != 1.0:  # 1.0: the model scaled the queries itself (Whisper)
                 q = q * scale
-            probs = torch.softmax(torch.bmm(q, keys_t), dim=-1)  # [Hkv, n*G, L]
+            scores = torch.bmm(q, keys_t)  # [Hkv, n * G, L]
+            if bias is not None:  # per query head: [Hkv, G, L], the same for each reader
+                bias = bias.view(num_kv_heads, 1, group, key_len).expand(num_kv_heads, n, group, key_len)
+                scores += bias.reshape(num_kv_heads, n * group, key_len)
+            probs = torch.softmax(scores, dim=-1)  # [Hkv, n*G, L]
             o = torch.bmm(probs, v).to(query.dtype)  # [Hkv, n * G, D]
             if n == 1:
                 o = o.view(1, -1, head_dim)

@@ -9,9 +9,12 @@ Same views, same results as `TorchSDPABackend`; only the kernels differ:
                          its K/V rows expanded per sequence first
     prefill over cache   K/V gathered from the cache into one packed batch, then the
                          same (bottom-right causal / rectangular) flash call
-    decode               Triton paged attention over block tables (`ops.paged_attention`)
+    decode               Triton paged attention over block tables (`ops.paged_attention`), a
+                         position bias (T5, ALiBi) read from its table inside the kernel
 
-The flash op only runs fp16/bf16 with head_dim % 8 == 0 on sm80+. Anything it
+The flash op only runs fp16/bf16 with head_dim % 8 == 0 on sm80+ and takes no additive
+bias: a prefill with a position bias runs on torch SDPA (its mask made per sequence shape or per
+padded batch, as on the CPU). Anything it
 or the Triton kernels cannot serve (fp32 prefill, odd head sizes, CPU tensors)
 goes to an internal `TorchSDPABackend`, logged once per reason; never silently.
 
@@ -27,10 +30,11 @@ from typing import Any
 
 import torch
 
-from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend, plan_gather
+from encdec_engine.attention.backends.torch_sdpa import FreshPlan, TorchSDPABackend, plan_gather
 from encdec_engine.attention.backends.xformers_masks import prefill_attn_bias
 from encdec_engine.quantization.kv_int8 import as_stored, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
+from encdec_engine.attention.position_bias import PositionBias
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +101,12 @@ class XFormersBackend:
         return _ViewPlan(bias, key_index=packed_key_index(view))
 
     # -- forward -------------------------------------------------------------
-    def forward(self, query, key, value, kv_cache, view: AttentionView, scale: float) -> torch.Tensor:
+    def forward(self, query, key, value, kv_cache, view: AttentionView, scale: float,
+                position_bias: PositionBias | None = None) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim]; key/value: [num_kv_tokens, num_kv_heads, head_dim] or None
         if not (query.is_cuda or self._kernels_on_cpu):
             self._log_fallback(f"{query.device.type} tensors", view)  # e.g. device="cpu" with this backend forced
-            return self._torch.forward(query, key, value, kv_cache, replace(view, plan=None), scale)
+            return self._torch.forward(query, key, value, kv_cache, replace(view, plan=None), scale, position_bias)
         if key is not None and view.slot_mapping is not None and kv_cache is not None:
             self._store_kv(key, value, kv_cache, view.slot_mapping)
             if not view.reads_cache:  # attend to the K/V as the cache holds them (int8: rounded)
@@ -109,9 +114,12 @@ class XFormersBackend:
         plan = view.plan if isinstance(view.plan, _ViewPlan) else self._plan_view(view)
         if view.reads_cache and view.max_query_len == 1:
             if query.dtype not in _DECODE_DTYPES or kv_cache.dtype not in _DECODE_CACHE_DTYPES:
-                return self._fallback(str(kv_cache.dtype), query, None, None, kv_cache, view, scale, plan)
+                return self._fallback(str(kv_cache.dtype), query, None, None, kv_cache, view, scale, plan,
+                                      position_bias)
             return self._paged_decode(query, kv_cache, view.block_tables, view.key_lens, scale, self.block_size,
-                                      max_key_len=view.max_key_len)
+                                      max_key_len=view.max_key_len, position_bias=position_bias)
+        if position_bias is not None:  # the flash op takes no additive bias
+            return self._fallback("a position bias", query, key, value, kv_cache, view, scale, plan, position_bias)
         num_kv_heads = kv_cache.shape[-2] if view.reads_cache else key.shape[1]
         signature = (query.dtype, query.device, tuple(query.shape[1:]), num_kv_heads, type(plan.attn_bias))
         if self._flash_reasons.get(signature):  # a known refusal: skip packing K/V
@@ -153,15 +161,13 @@ class XFormersBackend:
         return "; ".join(reasons)
 
     def _fallback(self, reason: str, query, key, value, kv_cache, view: AttentionView, scale: float,
-                  plan: _ViewPlan) -> torch.Tensor:
+                  plan: _ViewPlan, position_bias: PositionBias | None = None) -> torch.Tensor:
         """Attend on torch SDPA (new K/V are already stored), saying so once per reason."""
         self._log_fallback(reason, view)
-        torch_plan = None
-        if view.reads_cache:
-            plan.torch_plan = plan.torch_plan or plan_gather(view, self.block_size)
-            torch_plan = plan.torch_plan
+        plan.torch_plan = plan.torch_plan or (plan_gather(view, self.block_size) if view.reads_cache else FreshPlan())
+        torch_plan = plan.torch_plan
         return self._torch.forward(query, key, value, kv_cache, replace(view, slot_mapping=None, plan=torch_plan),
-                                   scale)
+                                   scale, position_bias)
 
     def _log_fallback(self, reason: str, view: AttentionView) -> None:
         step = "decode" if view.reads_cache and view.max_query_len == 1 else "prefill"

@@ -26,7 +26,9 @@ q.k is exact (TF32 holds every fp16/bf16 value) and p.v rounds the
 probabilities to TF32, as precise as fp16. fp32 inputs use IEEE dots, so an
 fp32 engine keeps fp32 attention (parity with HF). An int8 cache is dequantized
 as each tile is loaded (value * its group's float32 scale), then treated as the
-query's dtype would be. The grid
+query's dtype would be. A position bias (attention/position_bias.py: T5's buckets, ALiBi) is a
+[num_heads, num_relative] table the kernel reads per tile at each key's position relative to the
+query (the sequence's last key), clamped to the table, and adds to the scaled scores. The grid
 depends only on host-side shapes (no `.item()`), so the call can be captured in
 a CUDA graph when `max_key_len` is the table's capacity.
 """
@@ -38,6 +40,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from encdec_engine.attention.position_bias import PositionBias
 from encdec_engine.quantization.kv_int8 import KV_QUANT_GROUP, row_width, scale_offset
 from encdec_engine.attention.ops.kv_store import int8_scale_views
 
@@ -52,6 +55,7 @@ def _paged_decode_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr,  # [num_seqs, num_heads, P, head_dim_pad], [num_seqs, num_heads, P] x2
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, key_lens_ptr,
     k_scale_ptr, v_scale_ptr,  # int8 caches: the same caches seen as float32 (their scales)
+    bias_ptr, stride_bias_h, min_relative, num_relative,  # position bias table [num_heads, num_relative]
     scale,
     stride_qs, stride_qh, stride_qd,
     stride_cb, stride_ct, stride_ch, stride_cd,
@@ -66,6 +70,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,  # write partial results for the merge kernel instead of the output
     DOT_PRECISION: tl.constexpr,
     INT8: tl.constexpr, GROUP: tl.constexpr, SCALE_OFFSET: tl.constexpr,  # int8 cache layout
+    HAS_BIAS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -103,6 +108,10 @@ def _paged_decode_kernel(
             k_t *= tl.load(k_scale_ptr + scale_row[None, :] + d[:, None] // GROUP,
                            mask=valid[None, :] & d_mask[:, None], other=0.0)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale  # [G, TILE]
+        if HAS_BIAS:  # the query is the sequence's last key: relative position pos - (key_len - 1)
+            column = tl.minimum(tl.maximum(pos - (key_len - 1) - min_relative, 0), num_relative - 1)
+            scores += tl.load(bias_ptr + heads[:, None] * stride_bias_h + column[None, :],
+                              mask=g_mask[:, None] & valid[None, :], other=0.0).to(tl.float32)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
@@ -167,6 +176,7 @@ def paged_decode_attention(
     block_size: int,
     max_key_len: int | None = None,  # host bound on key_lens; default: the tables' capacity
     partition_size: int | None = -1,  # keys per partition; None: one pass; -1: choose
+    position_bias: PositionBias | None = None,  # added to the scaled scores per head and relative position
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], query's dtype
     num_seqs, num_heads, head_dim = query.shape
     _, _, cache_block_size, num_kv_heads, width = kv_cache.shape
@@ -199,9 +209,17 @@ def paged_decode_attention(
                                device=query.device)
     else:
         part_max = part_sum = part_acc = out  # unused
+    if position_bias is not None:
+        table = position_bias.table.to(device=query.device, dtype=torch.float32).contiguous()
+        if table.shape[0] != num_heads:
+            raise ValueError(f"position bias has {table.shape[0]} heads, the query {num_heads}")
+        bias_args = (table, table.stride(0), position_bias.min_relative, table.shape[1])
+    else:
+        bias_args = (out, 0, 0, 1)  # unused
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         out, part_acc, part_max, part_sum,
         query, k_cache, v_cache, block_tables, key_lens, k_scale, v_scale,
+        *bias_args,
         scale,
         *query.stride(), *k_cache.stride(), *scale_strides, *block_tables.stride(), *out.stride(),
         NUM_GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
@@ -209,6 +227,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, TILE=TILE_N, SPLIT=num_partitions > 1,
         DOT_PRECISION="ieee" if (query.dtype if int8 else kv_cache.dtype) == torch.float32 else "tf32",
         INT8=int8, GROUP=KV_QUANT_GROUP, SCALE_OFFSET=scale_offset(head_dim) // 4,
+        HAS_BIAS=position_bias is not None,
     )
     if num_partitions > 1:
         _merge_partitions_kernel[(num_seqs, num_heads)](

@@ -1,0 +1,216 @@
+"""T5 and mT5 (T5ForConditionalGeneration, MT5ForConditionalGeneration) over the engine's paged attention.
+
+Pre-norm layers with T5's RMS layer norm (no bias, no mean), attention without projection biases and
+without scaling, heads of `d_kv` values (not d_model / heads), a ReLU (t5 v1.0) or gated-GELU (v1.1,
+Flan, mT5) feed-forward. Positions enter only as a relative position bias: each stack's first layer
+owns an embedding of buckets x heads, bidirectional in the encoder and causal in the decoder, built
+once per stack and step (attention/position_bias.py) and added inside every self-attention of the
+stack, prefill and paged decode alike; cross-attention has none (as in HF). The output head is the
+shared embedding, with the decoder output scaled by d_model**-0.5 first (t5; HF's
+`scale_decoder_outputs`), or a separate `lm_head` when the checkpoint has one (v1.1, Flan, mT5).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from encdec_engine.attention.backends.base import AttentionBackend
+from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
+from encdec_engine.attention.position_bias import PositionBias, t5_bucket_index, t5_position_bias
+from encdec_engine.checkpoints.generation_config import decoder_start_token_id
+from encdec_engine.checkpoints.weights import WeightLoader
+from encdec_engine.layers.activation import get_activation
+from encdec_engine.layers.linear import VocabProjection
+from encdec_engine.layers.norms import RMSNorm
+from encdec_engine.models.encdec_layers import EncDecAttention
+from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
+
+_DEFAULT_MAX_POSITIONS = 512  # T5 has no position table; the engine still bounds its sequences
+
+
+class T5FeedForward(nn.Module):
+    """wo(act(wi x)), or gated: wo(act(wi_0 x) * wi_1 x) with wi_0 and wi_1 fused into `wi` (two shards)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.gated = config.is_gated_act
+        self.d_ff = config.d_ff
+        self.wi = nn.Linear(config.d_model, (2 if self.gated else 1) * config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.act = get_activation(config.dense_act_fn)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.wo(self.act(self.wi(hidden)))
+        gate, linear = self.wi(hidden).split(self.d_ff, dim=-1)
+        return self.wo(self.act(gate) * linear)
+
+
+class T5Layer(nn.Module):
+    """One encoder layer, or (with cross-attention) one decoder layer; pre-norm residual blocks."""
+
+    def __init__(self, config, backend: AttentionBackend, is_decoder: bool, layer_index: int) -> None:
+        super().__init__()
+        d, eps = config.d_model, config.layer_norm_epsilon
+
+        def attention(attn_type: AttentionType) -> EncDecAttention:
+            return EncDecAttention(d, config.num_heads, attn_type, backend, layer_index=layer_index,
+                                   head_dim=config.d_kv, bias=False, scaling=1.0)
+
+        self.self_attn_layer_norm = RMSNorm(d, eps)
+        self.self_attn = attention(AttentionType.DECODER if is_decoder else AttentionType.ENCODER)
+        self.encoder_attn = None
+        if is_decoder:
+            self.encoder_attn_layer_norm = RMSNorm(d, eps)
+            self.encoder_attn = attention(AttentionType.ENCODER_DECODER)
+        self.final_layer_norm = RMSNorm(d, eps)
+        self.ffn = T5FeedForward(config)
+
+    def forward(self, hidden, kv_cache, metadata, encoder_hidden, position_bias: PositionBias) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.self_attn_layer_norm(hidden), kv_cache, metadata,
+                                         position_bias=position_bias)
+        if self.encoder_attn is not None:
+            hidden = hidden + self.encoder_attn(self.encoder_attn_layer_norm(hidden), kv_cache, metadata,
+                                                encoder_hidden)
+        return hidden + self.ffn(self.final_layer_norm(hidden))
+
+
+class T5Stack(nn.Module):
+    def __init__(self, config, backend: AttentionBackend, is_decoder: bool, embed_tokens: nn.Embedding) -> None:
+        super().__init__()
+        num_layers = config.num_decoder_layers if is_decoder else config.num_layers
+        self.embed_tokens = embed_tokens
+        self.num_buckets = config.relative_attention_num_buckets
+        self.max_distance = config.relative_attention_max_distance
+        self.bidirectional = not is_decoder
+        self.relative_attention_bias = nn.Embedding(self.num_buckets, config.num_heads)
+        # The bucket of every relative position in [-max_distance, max_distance] (filled by reset()).
+        self.register_buffer("bucket_index", torch.zeros(2 * self.max_distance + 1, dtype=torch.long),
+                             persistent=False)
+        self.layers = nn.ModuleList(T5Layer(config, backend, is_decoder, i) for i in range(num_layers))
+        self.final_layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+
+    def reset(self) -> None:
+        index, _ = t5_bucket_index(self.bidirectional, self.num_buckets, self.max_distance)
+        self.bucket_index.copy_(index)
+
+    def forward(self, input_ids, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:
+        # input_ids: [num_tokens] -> [num_tokens, d_model]
+        bias = t5_position_bias(self.relative_attention_bias.weight, self.bucket_index, -self.max_distance)
+        hidden = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, kv_caches[i] if kv_caches else None, metadata, encoder_hidden, bias)
+        return self.final_layer_norm(hidden)
+
+
+# HF's names -> ours (after "encoder."/"decoder."): block i's sublayers are numbered, ours are named.
+_RENAMES = [
+    (re.compile(r"block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\."), "relative_attention_bias."),
+    (re.compile(r"block\.(\d+)\.layer\.0\.SelfAttention\.([qkv])\."), r"layers.\1.self_attn.\2_proj."),
+    (re.compile(r"block\.(\d+)\.layer\.0\.SelfAttention\.o\."), r"layers.\1.self_attn.out_proj."),
+    (re.compile(r"block\.(\d+)\.layer\.0\.layer_norm\."), r"layers.\1.self_attn_layer_norm."),
+    (re.compile(r"block\.(\d+)\.layer\.1\.EncDecAttention\.([qkv])\."), r"layers.\1.encoder_attn.\2_proj."),
+    (re.compile(r"block\.(\d+)\.layer\.1\.EncDecAttention\.o\."), r"layers.\1.encoder_attn.out_proj."),
+    (re.compile(r"block\.(\d+)\.layer\.\d\.DenseReluDense\."), r"layers.\1.ffn."),
+]
+_FFN_NORM = re.compile(r"^(encoder|decoder)\.block\.(\d+)\.layer\.([12])\.layer_norm\.")
+
+
+def hf_to_ours(name: str) -> str:
+    match = _FFN_NORM.match(name)
+    if match:  # layer.1 is the encoder's FFN and the decoder's cross-attention; layer.2 the decoder's FFN
+        stack, i, sub = match.groups()
+        own = "final_layer_norm" if (stack, sub) in (("encoder", "1"), ("decoder", "2")) else "encoder_attn_layer_norm"
+        return f"{stack}.layers.{i}.{own}." + name[match.end():]
+    for pattern, replacement in _RENAMES:
+        name = pattern.sub(replacement, name)
+    return name
+
+
+class T5ForConditionalGeneration(nn.Module):
+    is_encoder_decoder = True
+
+    def __init__(self, config, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab_projection = VocabProjection()
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = T5Stack(config, backend, False, self.shared)
+        self.decoder = T5Stack(config, backend, True, self.shared)
+        self.lm_head: nn.Linear | None = None  # set at load when the checkpoint's head is its own
+        # HF (transformers 5): t5 scales the decoder output before a tied head when `scale_decoder_outputs`
+        # (what `tie_word_embeddings` meant before); mT5 never does.
+        default = getattr(config, "tie_word_embeddings", True)
+        self.scale_output = config.model_type == "t5" and getattr(config, "scale_decoder_outputs", default)
+        self.output_scale = config.d_model**-0.5
+
+    @property
+    def max_decoder_len(self) -> int:
+        return getattr(self.config, "n_positions", None) or _DEFAULT_MAX_POSITIONS
+
+    @property
+    def max_encoder_len(self) -> int:
+        return self.max_decoder_len
+
+    def default_decoder_prompt(self, generation_config=None) -> list[int]:
+        """HF's generate starts from the decoder start token (<pad>)."""
+        return [decoder_start_token_id(self.config, generation_config)]
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.config.num_decoder_layers, self.config.num_heads, self.config.d_kv)
+
+    def encoder_num_positions(self, num_tokens: int) -> int:
+        return num_tokens
+
+    def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
+        """[num_encoder_tokens] ids -> [num_encoder_tokens, d_model] hidden states."""
+        return self.encoder(inputs.input_ids, None, metadata)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]; T5 reads positions only through the attention views
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        encoder_hidden: torch.Tensor | None = None,  # prefill only
+    ) -> torch.Tensor:  # [num_tokens, d_model]
+        return self.decoder(input_ids, kv_caches, metadata, encoder_hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
+        if self.scale_output:
+            hidden = hidden * self.output_scale
+        if self.lm_head is None:
+            return self.vocab_projection(hidden, self.shared.weight)
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for stack in (self.encoder, self.decoder):
+            stack.reset()
+        loader = WeightLoader(self)
+        for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+            loader.alias(name, "shared.weight")
+        loader.ignore("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight")  # as HF does
+        head = None
+        for name, tensor in weights:
+            if name == "lm_head.weight":
+                head = tensor  # tied or its own: decided once the shared embedding is loaded
+                continue
+            name = hf_to_ours(name)
+            if ".ffn.wi_" in name:  # gated: wi_0 (the gate) and wi_1 fused into wi
+                shard = int(name.split(".ffn.wi_")[1][0])
+                loader.load_shard(name.replace(f".ffn.wi_{shard}.", ".ffn.wi."), tensor, shard, 2)
+            else:
+                loader.load_attention(name, tensor)
+        loader.finish(optional={"encoder.bucket_index", "decoder.bucket_index"})
+        if head is not None and not torch.equal(head.to(self.shared.weight.dtype), self.shared.weight):
+            self.lm_head = nn.Linear(self.config.d_model, self.config.vocab_size, bias=False)
+            if head.shape != self.lm_head.weight.shape:
+                raise ValueError(f"weight lm_head.weight: checkpoint shape {tuple(head.shape)} != model "
+                                 f"{tuple(self.lm_head.weight.shape)}")
+            with torch.no_grad():
+                self.lm_head.weight.copy_(head)
