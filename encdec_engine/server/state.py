@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from encdec_engine.engine.async_engine import AsyncLLMEngine
 from encdec_engine.server.errors import APIError, engine_error
-from encdec_engine.server.limits import Admission, AudioMemory, Reservation, ServerLimits, Ticket
+from encdec_engine.server.limits import Admission, AudioMemory, RealtimeSessions, Reservation, ServerLimits, Ticket
 from encdec_engine.server.metrics import Metrics
 
 T = TypeVar("T")
@@ -35,6 +35,8 @@ class ServerState:
         self.audio_memory = AudioMemory(int(limits.max_audio_memory_mb * (1 << 20)), limits.max_client_audio_bytes)
         self.metrics = Metrics()
         self.preprocess = asyncio.Semaphore(limits.preprocess_workers)
+        self.realtime = RealtimeSessions(limits.max_realtime_sessions)
+        self.live_sessions: set = set()  # the LiveSessions of the realtime connections open (for the metrics)
 
     def check_model(self, name: str | None) -> None:
         if name and name not in self.aliases:
