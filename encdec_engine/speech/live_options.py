@@ -46,9 +46,11 @@ class LiveOptions:
     prompt: str | None = None  # text that conditions every turn (<|startofprev|>), as OpenAI's `prompt`
     # None: no turn detection; a turn is what was appended between two commits (OpenAI's turn_detection null).
     turn_detection: TurnDetection | dict | None = field(default_factory=TurnDetection)
-    # Seconds of new audio before the buffer is decoded again (whisper_streaming's --min-chunk-size). A slower
-    # engine simply decodes less often, each time over more new audio.
-    min_chunk_seconds: float = 1.0
+    # Seconds of new audio before the buffer is decoded again (whisper_streaming's --min-chunk-size, there 1 s).
+    # A word is confirmed about two decodes after it is spoken, so this sets the lag while the engine keeps
+    # up; a busier engine simply decodes less often, each time over more new audio (the lag grows, nothing
+    # is dropped), so a shorter chunk costs idle CPU, not streams.
+    min_chunk_seconds: float = 0.5
     # LocalAgreement-n: words are confirmed once this many successive hypotheses of the growing buffer
     # start with them (whisper_streaming uses 2).
     agreement: int = 2

@@ -35,6 +35,7 @@ from encdec_engine.speech.live_agreement import Hypothesis, Word, agreed_words, 
 from encdec_engine.speech.live_model import LiveModel
 from encdec_engine.speech.live_options import LiveOptions
 
+FIRST_DECODE_SECONDS = 1.0  # a turn's buffer is first decoded once it holds this much audio
 FLUSH_SECONDS = 28.0  # a buffer this long is decoded as a FLUSH (its text confirmed up to a segment end, then cut)
 NO_SPEECH_THRESHOLD = 0.6  # openai-whisper's: a decode is silence when its no-speech probability is
 LOGPROB_THRESHOLD = -1.0  # above the first and its mean log-probability below the second
@@ -103,10 +104,12 @@ class LiveTurn:
         return len(self.audio) - self.decoded
 
     def wants_decode(self) -> bool:
-        """Whether a request is due: the ended turn's final decode, or a new chunk of audio."""
+        """Whether a request is due: the ended turn's final decode, or a new chunk of audio (the first once
+        the buffer holds FIRST_DECODE_SECONDS: less is too little speech to say anything of)."""
         if self.done:
             return False
-        return self.ended or self.pending >= self.options.min_chunk_seconds * SAMPLE_RATE
+        chunk = self.options.min_chunk_seconds * SAMPLE_RATE
+        return self.ended or (self.pending >= chunk and len(self.audio) >= FIRST_DECODE_SECONDS * SAMPLE_RATE)
 
     # -- requests -----------------------------------------------------------------------
     def request(self) -> LiveRequest:

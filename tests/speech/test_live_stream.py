@@ -6,6 +6,7 @@ import jiwer
 import numpy as np
 import pytest
 import torch
+from helpers import AUDIO
 from live_sim import simulate
 from recordings import words
 
@@ -20,10 +21,11 @@ from encdec_engine.speech.live_vad import SileroStream, silero_network
 AUDIO_CLIPS = ("weather.wav", "fox.wav", "coffee.wav", "learning.wav", "stella.wav", "thanks_fast.wav")
 # Measured over the six clips, one turn each, streamed at three chunk phases (18 turns, 186 words; tiny.en):
 # each turn's final text equals the offline transcript of its span (WER 0: the final decode is exactly the
-# offline request for that audio); the deltas sent while speaking, joined, are 4.1% from the final text
-# (words confirmed from the first second or two of a clip, later heard differently).
+# offline request for that audio). The deltas sent while speaking, joined, are 7.1% from the final text with
+# the default 0.5 s chunks (4.1% with 1 s chunks): words tiny.en hears wrongly in the first second or two of
+# a clip ("I will die cut" for "I would like a cup"), in every hypothesis alike, which .completed corrects.
 MAX_TURN_WER = 0.0
-MAX_DELTA_WER = 0.06
+MAX_DELTA_WER = 0.08
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +37,11 @@ def tiny_en(make_llm):
 
 def recording(*clips: str, gap: float = 1.2) -> np.ndarray:
     """The clips with `gap` seconds of silence before each and after the last."""
-    from helpers import AUDIO
-
     silence = np.zeros(int(gap * 16000), dtype=np.float32)
     return np.concatenate([part for clip in clips for part in (silence, load_audio(AUDIO / clip))] + [silence])
 
 
 def test_streamed_probabilities_equal_silero_frame_loop_however_chunked():
-    from helpers import AUDIO
 
     audio = load_audio(AUDIO / "weather.wav")[: 512 * 60]
     reference = silero_network()
@@ -104,8 +103,32 @@ def test_final_text_word_error_against_offline_over_every_clip(tiny_en):
     assert jiwer.wer(final, sent) <= MAX_DELTA_WER
 
 
+@pytest.mark.slow
+def test_the_policy_alone_confirms_words_within_a_second_and_a_half(tiny_en):
+    """The lag the policy itself adds (an engine that decodes instantly, 100 ms chunks): each confirmed word's
+    stream time minus the end of the word in the audio (offline word timestamps of its clip). Measured over
+    the six clips at two phases (110 words): p50 0.74 s, p95 1.33 s with 0.5 s chunks (1.28 / 2.12 s with
+    1 s chunks). A real engine adds its decode time (and, when busy, the wait for a decode) to this."""
+    import difflib
+
+    times = {c: [(w.word, w.end) for s in tiny_en.transcribe(AUDIO / c, language="en", word_timestamps=True)[0].segments
+                 for w in s.words] for c in AUDIO_CLIPS}
+    lags = []
+    for gap in (1.0, 1.25):
+        audio, spoken, position = recording(*AUDIO_CLIPS, gap=gap), [], 0.0
+        for clip in AUDIO_CLIPS:
+            position += gap
+            spoken += [(" ".join(words(w)), position + end) for w, end in times[clip]]
+            position += len(load_audio(AUDIO / clip)) / 16000
+        confirmed = [(now, w) for now, e in simulate(tiny_en.engine, [audio])[0] if isinstance(e, TranscriptDelta)
+                     for w in words(e.delta)]
+        matcher = difflib.SequenceMatcher(None, [w for _, w in confirmed], [w for w, _ in spoken], autojunk=False)
+        lags += [confirmed[b.a + k][0] - spoken[b.b + k][1] for b in matcher.get_matching_blocks() for k in range(b.size)]
+    print(f"policy lag over {len(lags)} words: p50 {np.percentile(lags, 50):.2f} s, p95 {np.percentile(lags, 95):.2f} s")
+    assert len(lags) >= 100 and np.percentile(lags, 95) <= 1.5
+
+
 def test_manual_commit_makes_one_turn_of_everything_appended(tiny_en):
-    from helpers import AUDIO
 
     session = LiveSession(LiveModel(tiny_en.engine), LiveOptions(turn_detection=None))
     with pytest.raises(LiveError, match="buffer too small") as refused:
