@@ -338,6 +338,7 @@ def main() -> int:
     parser.add_argument("--no-faster-whisper", action="store_true", help="the engine alone")
     args = parser.parse_args()
     counts = [1, 2] if args.quick else [int(n) for n in args.clients.split(",")]
+    args.all = args.all or args.quick  # a smoke run shows both N whatever the machine
     print(f"machine: {machine()}")
     print(f"model: tiny.en (bundled); weights {args.quantization or 'float32'}; {args.threads} threads; "
           f"chunks of {CHUNK * 1000:.0f} ms at real-time pace; targets: p95 word lag <= {LAG_TARGET} s, "

@@ -24,6 +24,7 @@ from encdec_engine.speech.live_session import LiveSession
 from encdec_engine.speech.live_turn import LiveRequest
 
 _ids = itertools.count()
+_ARRIVALS = 4096  # appends remembered for the lag (about 7 minutes of 100 ms chunks)
 
 
 class LiveStream:
@@ -39,7 +40,8 @@ class LiveStream:
         self._wake = asyncio.Event()
         self._decode: asyncio.Task | None = None
         self._request: LiveRequest | None = None
-        self._arrivals: collections.deque[tuple[int, float]] = collections.deque()  # (samples so far, when)
+        # (samples so far, when) of the latest appends (bounded: a long silence makes no request to pop them)
+        self._arrivals: collections.deque[tuple[int, float]] = collections.deque(maxlen=_ARRIVALS)
 
     # -- what the caller does ----------------------------------------------------------------
     def append(self, samples: np.ndarray) -> list[LiveEvent]:

@@ -52,7 +52,7 @@ class LiveSession:
         self.ending: deque[LiveTurn] = deque()  # ended turns waiting for their final text, oldest first
         self.in_flight: LiveRequest | None = None
         self.last_item: str | None = None  # the last turn committed
-        self.spoken: list[int] = []  # tokens of the turns done (they condition later ones if asked)
+        self.spoken: list[int] = []  # the latest tokens of the turns done (they condition later ones if asked)
         self._ids = (f"{id_prefix}{n:04d}" for n in itertools.count(1))
         self.configure(options)
 
@@ -178,7 +178,7 @@ class LiveSession:
         events: list[LiveEvent] = [TranscriptDelta(turn.item_id, delta, ms(request.audio_end))] if delta else []
         if turn.done:
             self.ending.popleft()
-            self.spoken += turn.history + turn.final_tokens
+            self.spoken = (self.spoken + turn.history + turn.final_tokens)[-self.model.half :]
             end = turn.start + turn.num_samples
             events.append(TranscriptCompleted(turn.item_id, turn.text, ms(turn.start), ms(end)))
         return events

@@ -73,7 +73,7 @@ class LiveTurn:
         self.language = language  # None: detected at the first decode
         self.audio = np.zeros(0, dtype=np.float32)  # the buffer: 16 kHz samples after the last cut
         self.offset = 0  # samples cut from the start of the turn
-        self.history: list[int] = []  # tokens of the audio cut off (timestamps relative to their own window)
+        self.history: list[int] = []  # the latest tokens of the audio cut off (timestamps relative to their window)
         self.cut_text = ""  # the text confirmed in the audio cut off
         self.confirmed: list[Word] = []  # the buffer's confirmed words
         self.hypotheses: list[Hypothesis] = []  # the buffer's last decodes, oldest first
@@ -205,7 +205,7 @@ class LiveTurn:
         samples = min(max(1, round(seconds * SAMPLE_RATE)), most)
         gone, self.confirmed = self.confirmed[:words], self.confirmed[words:]
         self.cut_text += "".join(w.text for w in gone)
-        self.history += tokens
+        self.history = (self.history + tokens)[-self.model.half :]  # only the latest condition a decode
         self.audio = self.audio[samples:]
         self.offset += samples
         self.decoded = max(0, self.decoded - samples)

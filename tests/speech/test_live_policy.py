@@ -137,3 +137,31 @@ def test_options_are_validated_on_construction():
         LiveOptions(language="xx")
     assert LiveOptions(language="English").language == "en"
     assert LiveOptions(turn_detection={"threshold": 0.6}).turn_detection == TurnDetection(threshold=0.6)
+
+
+def test_a_multilingual_checkpoint_without_a_language_detects_it_once_per_turn(tmp_path, make_llm):
+    from helpers import make_whisper
+
+    from encdec_engine.speech.live_session import LiveSession
+
+    engine = make_llm(make_whisper(tmp_path / "w", "tiny-80", multilingual=True, seed=3)).engine
+    live = LiveModel(engine)
+    session = LiveSession(live, LiveOptions(turn_detection=None))
+    session.append(np.random.default_rng(0).normal(0, 0.1, 24000).astype(np.float32))
+    detect = session.next_request()
+    assert detect.kind is Kind.DETECT and detect.prompt["decoder_prompt"]["prompt_token_ids"] == [live.tokens.sot]
+    out = engine_run(engine, detect)
+    assert session.take_output(detect, out) == [] and detect.turn.language is not None
+    decode = session.next_request()
+    language = live.tokens.language_token(detect.turn.language)
+    assert decode.kind is Kind.PARTIAL
+    assert decode.prompt["decoder_prompt"]["prompt_token_ids"][:2] == [live.tokens.sot, language]
+    session.drop(decode)
+
+
+def engine_run(engine, request):
+    engine.add_request("live-test", request.prompt, request.params)
+    while True:
+        for out in engine.step():
+            if out.finished:
+                return out
