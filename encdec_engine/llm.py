@@ -1,4 +1,5 @@
-"""The offline Python API: `LLM.generate`, `LLM.summarize`, `LLM.translate` and `LLM.transcribe`."""
+"""The offline Python API: `LLM.generate`, `LLM.summarize`, `LLM.translate`, `LLM.transcribe` and
+`LLM.transcribe_live`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from encdec_engine.checkpoints.whisper_tokenizer import WhisperTextTokenizer
 from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.inputs.audio import audio_inputs
+from encdec_engine.inputs.pcm_stream import AudioChunks
+from encdec_engine.speech.live_events import LiveEvent
+from encdec_engine.speech.live_model import LiveModel
+from encdec_engine.speech.live_options import LiveOptions
+from encdec_engine.speech.live_session import LiveSession
+from encdec_engine.speech.live_sync import stream_live
 from encdec_engine.speech.offline import TranscriptionUpdate, stream_transcriptions
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.results import Segment, Transcription
@@ -152,6 +159,22 @@ class LLM:
         with self._exclusive(what):
             yield from stream_transcriptions(self.engine, options, audio, use_tqdm=use_tqdm,
                                              max_in_flight=max_in_flight)
+
+    def transcribe_live(self, chunks, sample_rate: int = 16000, language: str | None = None,
+                        **options) -> Iterator[LiveEvent]:
+        """Transcribe live audio as it comes: `chunks` is an iterable of mono audio chunks (PCM16 bytes, int16
+        arrays, or float arrays in [-1, 1]) at `sample_rate`, e.g. from a microphone; it may block until
+        audio arrives. Yields events as they happen (speech/live_events.py): `SpeechStarted`,
+        `TranscriptDelta` (confirmed text, never taken back, while the turn is spoken), `SpeechStopped`,
+        `Committed`, `TranscriptCompleted` (a turn's final text). `options` are LiveOptions fields, e.g.
+        `turn_detection=None` (one turn, ended when the chunks end) or `turn_detection={"silence_duration_ms":
+        800}`. Lazy: the engine runs only while you iterate; leaving the loop early aborts the decode in flight."""
+        session = LiveSession(LiveModel(self.engine), LiveOptions(language=language, **options))
+        return self._live(session, chunks, AudioChunks(sample_rate))  # bad options raised above, not at iteration
+
+    def _live(self, session: LiveSession, chunks, convert: AudioChunks) -> Iterator[LiveEvent]:
+        with self._exclusive("transcribe_live stream"):
+            yield from stream_live(self.engine, session, chunks, convert)
 
     def summarize(self, texts: str | Sequence[str], use_tqdm: bool = False, **overrides) -> list[str]:
         """Summaries exactly as HF `generate` makes them with the checkpoint's generation config

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import NoReturn
 
 from encdec_engine.checkpoints.names import resolve

@@ -80,7 +80,10 @@ def ray_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ca
                 flag = "--batch-size" if name == "job_batch_size" else "--" + name.replace("_", "-")
                 parser.error(f"{flag} needs --ray")
     inputs = {"transcribe": "audio", "summarize": "files"}.get(args.command)
-    if inputs and not getattr(args, inputs) and getattr(args, "manifest", None) is None:
+    live = getattr(args, "live", None) is not None or getattr(args, "server", None) is not None  # one stream, no files
+    if live and on_ray:
+        parser.error("--live transcribes one stream here; leave out --ray and --replicas")
+    if inputs and not live and not getattr(args, inputs) and getattr(args, "manifest", None) is None:
         parser.error(f"the following arguments are required: {inputs}" + (" (or --manifest)" if on_ray else ""))
     if not on_ray:
         return None

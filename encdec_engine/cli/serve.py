@@ -29,7 +29,8 @@ def server_limits(args):
                         max_audio_seconds=args.max_audio_seconds, max_audio_memory_mb=args.max_audio_memory_mb,
                         max_client_audio_mb=args.max_client_audio_mb, min_body_kb_per_s=args.min_body_kb_per_s,
                         body_grace_s=args.body_grace_s, max_request_tokens=args.max_request_tokens,
-                        protect_info=args.protect_info)
+                        protect_info=args.protect_info, max_realtime_sessions=args.max_realtime_sessions,
+                        max_realtime_buffer_seconds=args.max_realtime_buffer_seconds)
 
 
 def server_engine_kwargs(args) -> dict:
@@ -73,6 +74,12 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--max-request-tokens", type=int, default=65536,
                     help="tokens one completion request may generate: prompts x best_of x max_tokens x "
                          "(1 + logprobs); beyond: 400")
+    sv.add_argument("--max-realtime-sessions", type=int, default=32,
+                    help="live transcription sessions (/v1/realtime) open at once; beyond: an error event and close "
+                         "code 1013")
+    sv.add_argument("--max-realtime-buffer-seconds", type=float, default=120.0,
+                    help="audio one live session may hold not yet transcribed (its decodes fell behind); beyond: "
+                         "an error event and close code 1013")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

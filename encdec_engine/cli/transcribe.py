@@ -19,6 +19,7 @@ from pathlib import Path
 
 from encdec_engine.checkpoints.names import is_english_only
 from encdec_engine.cli.args import check_engine_args, engine_kwargs, error, resolve_model
+from encdec_engine.cli.live import cmd_live
 from encdec_engine.speech.subtitles import SubtitleOptions
 from encdec_engine.cli.transcribe_args import (add_transcribe_args, subtitle_options, temperatures,
                                                        transcribe_options)
@@ -148,6 +149,8 @@ def _say(tqdm, text: str) -> None:
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
+    if args.live is not None or args.server is not None:
+        return cmd_live(args)
     plan = plan_transcription(args)
     for problem in plan.bad.values():  # up front; the readable files still run
         error(problem)

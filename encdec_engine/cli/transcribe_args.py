@@ -114,6 +114,24 @@ def add_transcribe_args(tr: argparse.ArgumentParser) -> None:
     vad.add_argument("--vad-speech-pad-ms", type=int, default=None,
                      help="audio kept on each side of the speech (default 400)")
 
+    live = tr.add_argument_group("live transcription (text while it is spoken; --language, --initial-prompt and "
+                                 "--vad-threshold, --vad-min-silence-duration-ms, --vad-speech-pad-ms apply)")
+    live.add_argument("--live", metavar="SOURCE", default=None,
+                      help="transcribe a live stream instead of files: '-' reads raw 16-bit mono PCM from stdin "
+                           "(ffmpeg -f alsa -i default -f s16le -ac 1 -ar 16000 - | encdec transcribe --live -), "
+                           "a file is played at real-time pace; confirmed text is printed as it comes")
+    live.add_argument("--live-rate", type=int, default=16000, help="--live -: the PCM's sample rate (Hz)")
+    live.add_argument("--live-speed", type=float, default=1.0,
+                      help="--live FILE: playback speed (1: real time; 0: as fast as it is read)")
+    live.add_argument("--turn-detection", choices=["server_vad", "none"], default="server_vad",
+                      help="server_vad: a pause (--vad-min-silence-duration-ms, default 500) ends each turn; none: "
+                           "one turn, ended with the stream")
+    live.add_argument("--server", metavar="URL", default=None,
+                      help="send the stream to a running `encdec serve` (its /v1/realtime) instead of loading a "
+                           "model, e.g. http://127.0.0.1:8000")
+    live.add_argument("--api-key", default=None,
+                      help="--server: its API key (default: $ENCDEC_API_KEY, else $OPENAI_API_KEY)")
+
     words = tr.add_argument_group("word timestamps")
     words.add_argument("--word-timestamps", action="store_true",
                        help="time each word (cross-attention alignment); JSON output lists them per segment")

@@ -3,6 +3,7 @@
 Which endpoints answer depends on the loaded model; the other kind gets a 404 that says why:
 
     Whisper      POST /v1/audio/transcriptions, /v1/audio/translations   (multipart upload)
+                 websocket /v1/realtime                                  (OpenAI's Realtime transcription sessions)
     text models  POST /v1/completions                                     (BART: prompt = encoder prompt)
     always       GET /v1/models, /health, /metrics (Prometheus text)
 
@@ -27,6 +28,7 @@ This module builds and runs the app; the parts live beside it:
     info.py          GET /v1/models, /health, /metrics
     completions.py   POST /v1/completions, whole or streamed
     audio.py         POST /v1/audio/*: the upload (uploads.py), transcription, response formats
+    realtime.py      the /v1/realtime websocket: live transcription sessions (realtime_protocol.py: their events)
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from encdec_engine.config import EngineConfig
 from encdec_engine.engine.async_engine import AsyncLLMEngine
 from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.server import protocol as P
-from encdec_engine.server import audio, completions, info
+from encdec_engine.server import audio, completions, info, realtime
 from encdec_engine.server.errors import APIError, internal_error
 from encdec_engine.server.gate import Gate
 from encdec_engine.server.limits import ServerLimits
@@ -114,7 +116,7 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
                   lifespan=lifespan, docs_url=None)
     app.state.server = state
     _install_swagger_ui(app)
-    for endpoints in (info.router, completions.router, audio.router):
+    for endpoints in (info.router, completions.router, audio.router, realtime.router):
         app.include_router(endpoints)
     _install_error_handlers(app)
     install_openapi(app, _model_facts(state))

@@ -1,6 +1,7 @@
 """What every request passes before an endpoint sees it (pure ASGI, so a streamed answer is timed to its
 last byte): the API key, the body's size limit and minimum rate, and for an upload its audio memory,
-reserved as its bytes arrive and released when the request ends."""
+reserved as its bytes arrive and released when the request ends. A websocket upgrade (/v1/realtime)
+passes the API key check."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from encdec_engine.server.state import ServerState
 
 _MB = 1 << 20
 _UPLOAD_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
-_API_PATHS = ("/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models")
+_API_PATHS = ("/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models")  # http
 # What the server tells about itself (load, the API's shape): guarded when ServerLimits.protects_info.
 INFO_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
@@ -38,6 +39,8 @@ class Gate:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "websocket":
+            return await self._websocket(scope, receive, send)
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, limits = scope["path"], self.state.limits
@@ -103,6 +106,28 @@ class Gate:
                 reservation.release()
             if endpoint is not None:
                 self.state.metrics.observe(endpoint, status[0] if done[0] else 499, time.monotonic() - start)
+
+
+    async def _websocket(self, scope, receive, send) -> None:
+        """A websocket (/v1/realtime) needs the API key on its upgrade request, as the openai client sends it
+        (Authorization: Bearer). Refused: a 401 answer with OpenAI's error body where the server can send
+        one on the handshake (the websocket.http.response extension), else the handshake closed (1008)."""
+        limits = self.state.limits
+        error = None
+        if limits.api_key is not None and scope["path"].startswith("/v1"):
+            error = _check_api_key(dict(scope["headers"]).get(b"authorization"), limits.api_key)
+        if error is None:
+            return await self.app(scope, receive, send)
+        message = await receive()
+        if message["type"] != "websocket.connect":
+            return
+        if "websocket.http.response" in scope.get("extensions", {}):
+            body = error.response().body
+            await send({"type": "websocket.http.response.start", "status": error.status,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await send({"type": "websocket.close", "code": 1008, "reason": error.message[:100]})
 
 
 def _client(scope) -> str:

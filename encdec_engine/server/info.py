@@ -35,5 +35,6 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
     st = state_of(request)
-    return PlainTextResponse(st.metrics.render(st.engine, st.admission, st.audio_memory),
+    realtime = st.realtime if st.is_audio else None
+    return PlainTextResponse(st.metrics.render(st.engine, st.admission, st.audio_memory, realtime, st.live_sessions),
                              media_type="text/plain; version=0.0.4; charset=utf-8")

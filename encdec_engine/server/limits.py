@@ -1,7 +1,7 @@
 """The server's limits and the bookkeeping that enforces them: `ServerLimits` (every setting, validated),
 the bounded queue of engine requests admitted but not yet running (`Admission`), the audio memory held by
-the transcriptions in flight, in all and per client address (`AudioMemory`), and the output budget of a
-completion request. A leaf: the gate (gate.py), the endpoints and the metrics use it; it uses none of them.
+the transcriptions in flight, in all and per client address (`AudioMemory`), the output budget of a
+completion request, and the realtime sessions open (`RealtimeSessions`). A leaf: the gate (gate.py), the endpoints and the metrics use it; it uses none of them.
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ class ServerLimits:
     # Tokens one completion request may ask the engine for: prompts x best_of x max_tokens x (1 + logprobs).
     max_request_tokens: int = 65536
     preprocess_workers: int = 2  # audio decodes / log-mels computed at once (off the event loop)
+    # Realtime transcription sessions (/v1/realtime) open at once; the next client gets an error event and
+    # the close code 1013 (try again later).
+    max_realtime_sessions: int = 32
+    # Audio one realtime session may hold in turns not yet transcribed to the end (seconds); a session
+    # whose decodes fall that far behind gets an error event and is closed (1013).
+    max_realtime_buffer_seconds: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -52,6 +58,11 @@ class ServerLimits:
             raise ValueError(f"max_request_tokens must be at least 1, got {self.max_request_tokens}")
         if self.preprocess_workers < 1:
             raise ValueError(f"preprocess_workers must be at least 1, got {self.preprocess_workers}")
+        if self.max_realtime_sessions < 0:
+            raise ValueError(f"max_realtime_sessions must be 0 (none) or more, got {self.max_realtime_sessions}")
+        if not self.max_realtime_buffer_seconds >= 30:
+            raise ValueError(f"max_realtime_buffer_seconds must be at least 30 (one Whisper window), got "
+                             f"{self.max_realtime_buffer_seconds}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no key)")
 
@@ -189,3 +200,31 @@ class AudioMemory:
 
 def _mb(nbytes: int) -> str:
     return f"{nbytes / _MB:.1f} MB"
+
+
+# -- realtime sessions: the websocket transcription sessions open ------------------
+class RealtimeSessions:
+    """Realtime sessions open, at most `limit` (event loop only, so exact), and what became of them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.open = limit, 0
+        # refused: over the limit; overflowed: closed over their buffer bound
+        self.outcomes = {"accepted": 0, "refused": 0, "overflowed": 0}
+        self.dropped_seconds = 0.0  # audio the overflowed sessions held when they were closed
+
+    def acquire(self) -> None:
+        """Count one more session open; 429 (an error event and close code 1013) over the limit."""
+        if self.open >= self.limit:
+            self.outcomes["refused"] += 1
+            raise APIError(429, f"server busy: {self.open} realtime sessions are open (limit {self.limit}); "
+                                "retry shortly")
+        self.open += 1
+        self.outcomes["accepted"] += 1
+
+    def release(self) -> None:
+        self.open -= 1
+
+    def overflowed(self, seconds: float) -> None:
+        """A session was closed holding `seconds` of audio over its buffer bound (that audio is dropped)."""
+        self.outcomes["overflowed"] += 1
+        self.dropped_seconds += seconds

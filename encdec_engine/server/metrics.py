@@ -7,9 +7,10 @@ import math
 from collections import defaultdict
 
 from encdec_engine.engine.async_engine import AsyncLLMEngine
-from encdec_engine.server.limits import Admission, AudioMemory
+from encdec_engine.server.limits import Admission, AudioMemory, RealtimeSessions
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, math.inf)  # s
+_LAG_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, math.inf)  # s
 
 
 class Metrics:
@@ -19,6 +20,12 @@ class Metrics:
         self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (endpoint, status) -> count
         self.buckets: dict[str, list[int]] = defaultdict(lambda: [0] * len(_LATENCY_BUCKETS))
         self.latency_sum: dict[str, float] = defaultdict(float)
+        # Realtime sessions: the lag of each decode (from the arrival of its window's last audio to its result),
+        # the audio received, and the transcript events sent.
+        self.realtime_lag = [0] * len(_LAG_BUCKETS)
+        self.realtime_lag_sum = 0.0
+        self.realtime_audio_seconds = 0.0
+        self.realtime_events = {"delta": 0, "completed": 0}
 
     def observe(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests[(endpoint, status)] += 1
@@ -28,7 +35,14 @@ class Metrics:
                 counts[i] += 1
         self.latency_sum[endpoint] += seconds
 
-    def render(self, engine: AsyncLLMEngine, admission: Admission, audio_memory: AudioMemory | None = None) -> str:
+    def observe_realtime_lag(self, seconds: float) -> None:
+        for i, bound in enumerate(_LAG_BUCKETS):
+            if seconds <= bound:
+                self.realtime_lag[i] += 1
+        self.realtime_lag_sum += seconds
+
+    def render(self, engine: AsyncLLMEngine, admission: Admission, audio_memory: AudioMemory | None = None,
+               realtime: RealtimeSessions | None = None, live_sessions=()) -> str:
         s = engine.snapshot
         out: list[str] = []
 
@@ -62,6 +76,8 @@ class Metrics:
         if s.cache_stats:
             metric("encdec_prefix_cache_total", "counter", "Prefix cache lookups and hits (cross: whole encoder "
                    "outputs; self: decoder prefix blocks)", [(f'{{event="{k}"}}', v) for k, v in s.cache_stats])
+        if realtime is not None:
+            self._render_realtime(metric, out, realtime, live_sessions)
         metric("encdec_http_requests_total", "counter", "API requests answered, by endpoint and status",
                [(f'{{endpoint="{e}",status="{c}"}}', n) for (e, c), n in sorted(self.requests.items())])
         out.extend(["# HELP encdec_request_latency_seconds API request latency (to the last byte)",
@@ -74,6 +90,29 @@ class Metrics:
                        f'{prometheus_number(self.latency_sum[endpoint])}')
             out.append(f'encdec_request_latency_seconds_count{{endpoint="{endpoint}"}} {counts[-1]}')
         return "\n".join(out) + "\n"
+
+    def _render_realtime(self, metric, out: list[str], realtime: RealtimeSessions, live_sessions) -> None:
+        backlog = max((s.backlog_seconds for s in live_sessions), default=0.0)
+        metric("encdec_realtime_sessions", "gauge", "Realtime transcription sessions open, and the limit (beyond it: "
+               "an error event and close code 1013)", [('{kind="open"}', realtime.open), ('{kind="limit"}', realtime.limit)])
+        metric("encdec_realtime_sessions_total", "counter", "Realtime sessions accepted, refused (over the limit) and "
+               "closed over their buffer bound (overflowed)",
+               [(f'{{outcome="{k}"}}', v) for k, v in realtime.outcomes.items()])
+        metric("encdec_realtime_dropped_audio_seconds_total", "counter", "Audio held by sessions closed over their "
+               "buffer bound (no other audio is ever dropped)", [("", round(realtime.dropped_seconds, 3))])
+        metric("encdec_realtime_audio_seconds_total", "counter", "Audio received by realtime sessions",
+               [("", round(self.realtime_audio_seconds, 3))])
+        metric("encdec_realtime_backlog_seconds", "gauge", "The most audio one open session holds that no decode has "
+               "covered yet (grows when the engine falls behind)", [("", round(backlog, 3))])
+        metric("encdec_realtime_events_total", "counter", "Transcript events sent: deltas (confirmed text) and "
+               "completed turns", [(f'{{type="{k}"}}', v) for k, v in self.realtime_events.items()])
+        out.extend(["# HELP encdec_realtime_lag_seconds Wall time from the arrival of a decoded window's last audio "
+                    "to the decode's result", "# TYPE encdec_realtime_lag_seconds histogram"])
+        for bound, count in zip(_LAG_BUCKETS, self.realtime_lag):
+            le = "+Inf" if bound == math.inf else f"{bound:g}"
+            out.append(f'encdec_realtime_lag_seconds_bucket{{le="{le}"}} {count}')
+        out.append(f"encdec_realtime_lag_seconds_sum {prometheus_number(self.realtime_lag_sum)}")
+        out.append(f"encdec_realtime_lag_seconds_count {self.realtime_lag[-1]}")
 
 
 def prometheus_number(value: float) -> str:

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from encdec_engine.engine.async_engine import AsyncLLMEngine
 from encdec_engine.server.errors import APIError, engine_error
-from encdec_engine.server.limits import Admission, AudioMemory, Reservation, ServerLimits, Ticket
+from encdec_engine.server.limits import Admission, AudioMemory, RealtimeSessions, Reservation, ServerLimits, Ticket
 from encdec_engine.server.metrics import Metrics
 from encdec_engine.translation.tasks import Translator
 
@@ -37,6 +37,8 @@ class ServerState:
         self.metrics = Metrics()
         self.preprocess = asyncio.Semaphore(limits.preprocess_workers)
         self._translator: Translator | None = None
+        self.realtime = RealtimeSessions(limits.max_realtime_sessions)
+        self.live_sessions: set = set()  # the LiveSessions of the realtime connections open (for the metrics)
 
     def translator(self) -> Translator:
         """The model's translation convention (made at the first request with a target_language); a 400

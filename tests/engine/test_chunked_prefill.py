@@ -87,12 +87,13 @@ def test_a_long_prompt_never_stalls_the_running_decodes(llama_path, make_llm):
 def whisper_greedy(model, features: torch.Tensor, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     """HF's greedy decoding, step by step over the whole sequence (no cache, no processors); and the
     prompt's logits."""
-    ids = list(prompt)
+    ids, prompt_logits = list(prompt), None
     with torch.no_grad():
         encoded = model.model.encoder(features[None])
         for _ in range(n):
             logits = model(encoder_outputs=encoded, decoder_input_ids=torch.tensor([ids])).logits[0]
-            prompt_logits = logits if len(ids) == len(prompt) else prompt_logits
+            if prompt_logits is None:
+                prompt_logits = logits
             ids.append(int(logits[-1].argmax()))
     return ids[len(prompt):], prompt_logits
 

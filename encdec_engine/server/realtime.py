@@ -1,0 +1,244 @@
+"""/v1/realtime (websocket): OpenAI's Realtime transcription sessions, as the official `openai` client's
+`realtime.connect(extra_query={"intent": "transcription"})` (and the beta `beta.realtime.connect`) speak
+them. Each connection is one live session (speech/live_session.py) driven through the shared engine
+(speech/live_async.py): its re-decodes are ordinary engine requests, batched with every other session's.
+
+    client                                     server
+    session.update / transcription_session.update  ->  session.updated / transcription_session.updated
+    input_audio_buffer.append {audio: base64}  ->  input_audio_buffer.speech_started {audio_start_ms, item_id}
+                                                   conversation.item.input_audio_transcription.delta (while speaking)
+                                                   input_audio_buffer.speech_stopped, .committed, conversation.item.added
+                                                   conversation.item.input_audio_transcription.delta, .completed
+    input_audio_buffer.commit / .clear         ->  input_audio_buffer.committed / .cleared
+    anything wrong                             ->  error {error: {type, code, message, param, event_id}}; the session lives on
+
+Admission: at most `max_realtime_sessions` at once (the next gets an error event and close code 1013, try
+again later); a session holding more than `max_realtime_buffer_seconds` of audio not yet transcribed (its
+decodes fell that far behind) gets an error event and is closed (1013). A client that leaves frees its
+session at once: the decode in flight is aborted, so its KV blocks are free before the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import secrets
+
+from fastapi import APIRouter, WebSocket
+
+from encdec_engine.inputs.pcm_stream import AudioChunks
+from encdec_engine.server.errors import APIError
+from encdec_engine.server.realtime_protocol import (OPENAI_MODELS, ProtocolError, SessionConfig, apply_update,
+                                                    error_event, event, parse_event, server_events, session_object)
+from encdec_engine.server.state import ServerState
+from encdec_engine.speech.live_async import LiveStream
+from encdec_engine.speech.live_events import LiveEvent, TranscriptCompleted, TranscriptDelta
+from encdec_engine.speech.live_model import LiveModel
+from encdec_engine.speech.live_options import LiveOptions
+from encdec_engine.speech.live_session import LiveError, LiveSession
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+TRY_AGAIN_LATER = 1013  # websocket close codes (RFC 6455)
+POLICY_VIOLATION = 1008
+INTERNAL_ERROR = 1011
+CLIENT_EVENTS = ("session.update", "transcription_session.update", "input_audio_buffer.append",
+                 "input_audio_buffer.commit", "input_audio_buffer.clear")
+
+
+@router.websocket("/v1/realtime")
+async def realtime(websocket: WebSocket) -> None:
+    st: ServerState = websocket.app.state.server
+    beta = websocket.headers.get("openai-beta", "").lower().startswith("realtime")
+    await websocket.accept()
+    refusal = _refusal(st, websocket)
+    if refusal is None:
+        try:
+            st.realtime.acquire()
+        except APIError as e:
+            refusal = error_event(e.message, None, "session_limit_reached", type_="rate_limit_error"), TRY_AGAIN_LATER
+    if refusal is not None:
+        with contextlib.suppress(Exception):  # the client may be gone already
+            await websocket.send_text(json.dumps(refusal[0]))
+            await websocket.close(refusal[1])
+        return
+    try:
+        await RealtimeConnection(st, websocket, beta).run()
+    finally:
+        st.realtime.release()
+
+
+def _refusal(st: ServerState, websocket: WebSocket) -> tuple[dict, int] | None:
+    """Why this connection cannot be a session here (an error event and a close code), or None."""
+    query = websocket.query_params
+    if not st.is_audio:
+        return error_event(f"/v1/realtime transcribes speech; this server runs the text model {st.model_name!r}",
+                           None, "model_not_supported"), POLICY_VIOLATION
+    if query.get("intent", "transcription") != "transcription":
+        return error_event("only transcription sessions are served here: connect with ?intent=transcription",
+                           "intent", "unsupported_intent"), POLICY_VIOLATION
+    model = query.get("model")
+    if model and model not in st.aliases and model not in OPENAI_MODELS:
+        return error_event(f"model {model!r} is not served here; this server serves {st.model_name!r}", "model",
+                           "model_not_found"), POLICY_VIOLATION
+    if not st.engine.is_running:
+        return error_event("the engine is not running", None, "engine_unavailable", type_="server_error"), INTERNAL_ERROR
+    return None
+
+
+class RealtimeConnection:
+    """One websocket session: client events in, server events out through one queue (so in order)."""
+
+    def __init__(self, st: ServerState, websocket: WebSocket, beta: bool) -> None:
+        self.st, self.websocket, self.beta = st, websocket, beta
+        self.id = f"sess_{secrets.token_hex(8)}"
+        self.config, self.configured = SessionConfig(), False
+        self.model = LiveModel(st.engine.engine)
+        self.session = LiveSession(self.model, self._options(self.config), f"item_{self.id[5:13]}_")
+        self.stream = LiveStream(st.engine, self.session, self._emit, st.metrics.observe_realtime_lag, "realtime")
+        self.audio = AudioChunks(self.config.rate)
+        self.outbox: asyncio.Queue[dict | int] = asyncio.Queue()  # events, or a close code (the last item)
+
+    async def run(self) -> None:
+        kind = "transcription_session.created" if self.beta else "session.created"
+        self._send(event(kind, session=self._session_object()))
+        tasks = [asyncio.ensure_future(t) for t in (self._receive(), self._deliver(), self.stream.run())]
+        receiver, sender, decoder = tasks
+        self.st.live_sessions.add(self.session)
+        try:
+            await asyncio.wait({receiver, decoder}, return_when=asyncio.FIRST_COMPLETED)
+            closing = decoder.done()  # the decode loop only ends by raising: the engine stopped
+            if closing:
+                logger.error("realtime session %s stopped", self.id, exc_info=decoder.exception())
+                self._send(error_event("the engine stopped; the session is closed", None, "engine_unavailable",
+                                       type_="server_error"))
+                self.outbox.put_nowait(INTERNAL_ERROR)
+            elif receiver.exception() is not None:
+                logger.debug("realtime session %s: receiving failed", self.id, exc_info=receiver.exception())
+            else:
+                closing = receiver.result()  # True: the session closes itself (an error event, then a close code)
+            if closing:
+                with contextlib.suppress(Exception):  # the client may be gone already
+                    await asyncio.wait_for(asyncio.shield(sender), 5.0)
+        finally:
+            self.st.live_sessions.discard(self.session)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- client events -----------------------------------------------------------------------
+    async def _receive(self) -> bool:
+        """Handle client events until the client leaves (False) or the session must close (True)."""
+        while True:
+            message = await self.websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return False
+            text = message.get("text")
+            event_id = None
+            try:
+                if text is None:
+                    raise ProtocolError("binary messages are not events: send JSON text events", None, "invalid_event")
+                client_event = parse_event(text)
+                event_id = client_event.get("event_id")
+                self._handle(client_event)
+            except ProtocolError as e:
+                self._send(error_event(e.message, e.param, e.code, event_id))
+            except LiveError as e:
+                self._send(error_event(str(e), None, e.code, event_id))
+            if self.session.buffered_seconds > self.st.limits.max_realtime_buffer_seconds:
+                self._overflow(event_id)
+                return True
+
+    def _handle(self, client_event: dict) -> None:
+        kind = client_event["type"]
+        if kind in ("session.update", "transcription_session.update"):
+            self._configure(client_event.get("session"), kind == "transcription_session.update")
+        elif kind == "input_audio_buffer.append":
+            self._append(client_event.get("audio"))
+        elif kind == "input_audio_buffer.commit":
+            self._emit(self.stream.commit())
+        elif kind == "input_audio_buffer.clear":
+            self._emit(self.stream.clear())
+        else:
+            raise ProtocolError(f"unknown or unsupported event type {kind!r}; a transcription session takes "
+                                f"{', '.join(CLIENT_EVENTS)}", "type", "unknown_event")
+
+    def _configure(self, session: object, beta: bool) -> None:
+        config = apply_update(self.config, session, beta)
+        where = "session.input_audio_transcription" if beta else "session.audio.input.transcription"
+        if config.model and config.model not in self.st.aliases and config.model not in OPENAI_MODELS:
+            raise ProtocolError(f"model {config.model!r} is not served here; this server serves "
+                                f"{self.st.model_name!r}", f"{where}.model", "model_not_found")
+        try:
+            options = self._options(config)
+        except ValueError as e:
+            name = "language" if "language" in str(e) or "English-only" in str(e) else "prompt"
+            raise ProtocolError(str(e), f"{where}.{name}") from None
+        self.session.configure(options)
+        if config.rate != self.config.rate:
+            self.audio = AudioChunks(config.rate)
+        self.config, self.configured = config, True
+        kind = "transcription_session.updated" if beta else "session.updated"
+        self._send(event(kind, session=self._session_object(beta)))
+
+    def _options(self, config: SessionConfig) -> LiveOptions:
+        """LiveOptions of a configuration; ValueError for a language the model cannot take, or a bad prompt."""
+        options = LiveOptions(language=config.language, prompt=config.prompt, turn_detection=config.turn_detection)
+        self.model.tokens.decoder_prompt(options.language)  # an English-only checkpoint refuses other languages
+        self.model.prompt_tokens(options.prompt)
+        return options
+
+    def _append(self, audio: object) -> None:
+        if not self.configured:
+            raise ProtocolError("configure the session first: send session.update (or transcription_session.update) "
+                                "before input_audio_buffer.append", "type", "session_not_configured")
+        if not isinstance(audio, str):
+            raise ProtocolError("audio must be a base64 string of pcm16 audio", "audio", "invalid_audio")
+        try:
+            data = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ProtocolError(f"audio is not valid base64: {e}", "audio", "invalid_base64") from None
+        try:
+            samples = self.audio(data)
+        except ValueError as e:
+            raise ProtocolError(str(e), "audio", "invalid_audio_format") from None
+        self.st.metrics.realtime_audio_seconds += len(data) / 2 / self.config.rate
+        self._emit(self.stream.append(samples))
+
+    def _overflow(self, event_id: str | None) -> None:
+        held = self.session.buffered_seconds
+        self.st.realtime.overflowed(held)
+        self._send(error_event(f"this session holds {held:.0f} s of audio not yet transcribed, over the server's "
+                               f"bound of {self.st.limits.max_realtime_buffer_seconds:g} s: the server is "
+                               "overloaded; the session is closed, reconnect later", None, "input_audio_buffer_full",
+                               event_id, "rate_limit_error"))
+        self.outbox.put_nowait(TRY_AGAIN_LATER)
+
+    # -- server events -----------------------------------------------------------------------
+    def _emit(self, events: list[LiveEvent]) -> None:
+        for e in events:
+            if isinstance(e, TranscriptDelta):
+                self.st.metrics.realtime_events["delta"] += 1
+            elif isinstance(e, TranscriptCompleted):
+                self.st.metrics.realtime_events["completed"] += 1
+            for message in server_events(e, self.beta):
+                self._send(message)
+
+    def _send(self, message: dict) -> None:
+        self.outbox.put_nowait(message)
+
+    async def _deliver(self) -> None:
+        while True:
+            item = await self.outbox.get()
+            if isinstance(item, int):
+                await self.websocket.close(item)
+                return
+            await self.websocket.send_text(json.dumps(item))
+
+    def _session_object(self, beta: bool | None = None) -> dict:
+        return session_object(self.config, self.id, self.st.model_name, self.beta if beta is None else beta)

@@ -1,0 +1,118 @@
+"""The asyncio driver of a live transcription: one session over `AsyncLLMEngine` (the server's realtime
+sessions). Every session's decodes are ordinary engine requests, so the sessions' re-decodes share the
+engine's continuous batches; each session has at most one request in flight, and a slower engine only
+makes each decode cover more new audio (latency grows; nothing is dropped or reordered).
+
+    caller (the websocket loop)            run() (a task per session)
+    append / commit / clear  --events-->   next_request -> engine.generate -> take -> emit(events)
+          \\__ a partial decode made useless (its turn ended, or was cleared) is cancelled: aborted
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from collections.abc import Callable
+import numpy as np
+
+from encdec_engine.engine.async_engine import AsyncLLMEngine, EngineStepError, RequestFailedError
+from encdec_engine.outputs import RequestOutput
+from encdec_engine.speech.live_events import LiveEvent
+from encdec_engine.speech.live_session import LiveSession
+from encdec_engine.speech.live_turn import LiveRequest
+
+_ids = itertools.count()
+_ARRIVALS = 4096  # appends remembered for the lag (about 7 minutes of 100 ms chunks)
+
+
+class LiveStream:
+    """A LiveSession driven through an AsyncLLMEngine. `emit` gets the events of each finished decode;
+    `on_decoded(lag_seconds)` the wall time from the arrival of a decoded window's last audio to its
+    result (the lag the metrics show). Call `run()` as a task; cancelling it aborts the request in flight."""
+
+    def __init__(self, engine: AsyncLLMEngine, session: LiveSession, emit: Callable[[list[LiveEvent]], None],
+                 on_decoded: Callable[[float], None] | None = None, name: str = "live") -> None:
+        self.engine, self.session, self.emit, self.on_decoded = engine, session, emit, on_decoded
+        self.name = f"{name}-{next(_ids)}"
+        self._requests = itertools.count()
+        self._wake = asyncio.Event()
+        self._decode: asyncio.Task | None = None
+        self._request: LiveRequest | None = None
+        # (samples so far, when) of the latest appends (bounded: a long silence makes no request to pop them)
+        self._arrivals: collections.deque[tuple[int, float]] = collections.deque(maxlen=_ARRIVALS)
+
+    # -- what the caller does ----------------------------------------------------------------
+    def append(self, samples: np.ndarray) -> list[LiveEvent]:
+        events = self.session.append(samples)
+        self._arrivals.append((self.session.received, time.monotonic()))
+        self._changed()
+        return events
+
+    def commit(self) -> list[LiveEvent]:
+        events = self.session.commit()
+        self._changed()
+        return events
+
+    def clear(self) -> list[LiveEvent]:
+        events = self.session.clear()
+        self._changed()
+        return events
+
+    def _changed(self) -> None:
+        """Wake the loop; cancel a decode that is no use any more (the final decode goes next)."""
+        request, decode = self._request, self._decode
+        if request is not None and decode is not None and self.session.superseded(request):
+            decode.cancel()
+        self._wake.set()
+
+    # -- the decode loop ---------------------------------------------------------------------
+    async def run(self) -> None:
+        """Send each due request and emit what it confirms, until cancelled. An engine that stops raises."""
+        while True:
+            self._wake.clear()
+            request = self.session.next_request()
+            if request is None:
+                await self._wake.wait()
+                continue
+            decode = asyncio.ensure_future(self._generate(request))
+            self._request, self._decode = request, decode
+            try:
+                await asyncio.wait({decode})
+            finally:
+                self._request = self._decode = None
+                if not decode.done():  # this loop was cancelled: so is the request (the engine aborts it)
+                    decode.cancel()
+                    await asyncio.gather(decode, return_exceptions=True)
+                    self.session.drop(request)
+            if decode.cancelled():
+                self.session.drop(request)
+                continue
+            error = decode.exception()
+            if error is not None:
+                if not _is_request_failure(error):
+                    self.session.drop(request)
+                    raise error
+                self.emit(self.session.fail(request, str(error)))
+                continue
+            self._lag(request)
+            self.emit(self.session.take_output(request, decode.result()))
+
+    async def _generate(self, request: LiveRequest) -> RequestOutput:
+        last = None
+        async for out in self.engine.generate(request.prompt, request.params, f"{self.name}-{next(self._requests)}"):
+            last = out
+        return last
+
+    def _lag(self, request: LiveRequest) -> None:
+        while self._arrivals and self._arrivals[0][0] < request.audio_end:
+            self._arrivals.popleft()
+        if self._arrivals and self.on_decoded is not None:
+            self.on_decoded(time.monotonic() - self._arrivals[0][1])
+
+
+def _is_request_failure(error: BaseException) -> bool:
+    """A failure of this request alone, after which the engine goes on: a request the engine refused, one
+    that failed while it ran, or one aborted by a failed step."""
+    return isinstance(error, (RequestFailedError, EngineStepError, ValueError))
