@@ -98,7 +98,7 @@ def test_store_kv_writes_exact_slots():
 
 @pytest.mark.parametrize("contiguous,dtype", [(True, torch.float32), (False, torch.float32), (True, torch.bfloat16)])
 def test_long_contexts_read_in_place_when_contiguous(contiguous, dtype):
-    from encdec_engine.attention.backends.torch_sdpa import _GatherPlan, _SlicePlan
+    from encdec_engine.attention.backends.torch_sdpa import GatherPlan, SlicePlan
 
     torch.manual_seed(3)
     k_lens = [130, 257, 140]
@@ -119,7 +119,7 @@ def test_long_contexts_read_in_place_when_contiguous(contiguous, dtype):
     v_ = make_view([1, 1, 1], k_lens, False, block_tables=torch.from_numpy(pad_rows(tables)))
     backend = TorchSDPABackend(BS)
     backend.plan(AttentionMetadata(decoder=v_))
-    assert isinstance(v_.plan, _SlicePlan if contiguous else _GatherPlan)
+    assert isinstance(v_.plan, SlicePlan if contiguous else GatherPlan)
     q = torch.randn(3, H, D).to(dtype)
     out = backend.forward(q, None, None, cache, v_, SCALE)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -132,7 +132,7 @@ def test_long_contexts_read_in_place_when_contiguous(contiguous, dtype):
 def test_sequences_sharing_a_context_read_it_once_and_get_their_own_attention(num_kv_heads, monkeypatch):
     """The beams (or best_of samples) of a request share its cross cache: one matmul over their stacked
     queries, whose rows equal each sequence's attention alone."""
-    from encdec_engine.attention.backends.torch_sdpa import _SlicePlan
+    from encdec_engine.attention.backends.torch_sdpa import SlicePlan
 
     torch.manual_seed(5)
     length = 300
@@ -144,7 +144,7 @@ def test_sequences_sharing_a_context_read_it_once_and_get_their_own_attention(nu
     shared = make_view([1] * 4, [length] * 4, False, block_tables=torch.tensor([table] * 4))
     backend = TorchSDPABackend(BS)
     backend.plan(AttentionMetadata(decoder=None, cross=shared))
-    assert isinstance(shared.plan, _SlicePlan) and len(set(shared.plan.starts)) == 1
+    assert isinstance(shared.plan, SlicePlan) and len(set(shared.plan.starts)) == 1
     q = torch.randn(4, H, D)
     calls = []
     real_bmm = torch.bmm

@@ -88,3 +88,18 @@ def test_int8_kv_cache_agrees_with_fp32_cache(arch, name, text_model, make_llm):
     assert sum(a[:3] == b[:3] for a, b in zip(got, ref)) >= 7
     # Cached prefixes and encoder outputs hold their scales: repeats give the first run's tokens.
     assert generate(int8, prompts[:4], params) == got[:4]
+
+
+def test_t5_long_decoder_prompts_prefilled_in_chunks(text_model, make_llm):
+    """Each chunk reads the position bias against the keys of the chunks before it (as a cached prefix)."""
+    path = text_model("t5")
+    # The 61-token encoder input runs whole in one step (with the decoder's first chunk); the decoder
+    # prompts of 150 and 220 tokens take several steps each.
+    chunked = make_llm(path, num_kv_blocks=500, block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=80)
+    whole = make_llm(path, num_kv_blocks=500, block_size=4)
+    prompts = [{"encoder_prompt": ENCODER, "decoder_prompt": {"prompt_token_ids": [0] + list(range(30, 30 + n))}}
+               for n in (150, 3, 220, 90)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    steps = chunked.engine.stats["prefill_steps"]
+    assert generate(chunked, prompts, params) == generate(whole, prompts, params)
+    assert chunked.engine.stats["prefill_steps"] - steps >= (150 + 3 + 220 + 90) // 80  # really chunked

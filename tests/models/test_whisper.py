@@ -387,7 +387,7 @@ def test_query_scaling_folds_into_the_projection_bit_for_bit(head_dim, folds):
 def test_a_lone_sequence_reads_its_caches_in_place(make_llm, monkeypatch):
     """One request decoding alone (the one-file job): its cross table is a run and its self table grows
     into the blocks after it, so every decode step reads both contexts in place, none gathered."""
-    from encdec_engine.attention.backends.torch_sdpa import _SlicePlan
+    from encdec_engine.attention.backends.torch_sdpa import SlicePlan
 
     llm = make_llm(default_model_path(), enable_prefix_caching=False)
     backend, plans = llm.engine.runner.backend, []
@@ -402,4 +402,4 @@ def test_a_lone_sequence_reads_its_caches_in_place(make_llm, monkeypatch):
     features = log_mel_spectrogram([load_audio(AUDIO / "weather.wav")])[0]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # the self table spans 3 blocks
     llm.generate([{"prompt": "", "multi_modal_data": {"input_features": features}}], params, use_tqdm=False)
-    assert len(plans) == 39 and set(plans) == {(_SlicePlan, _SlicePlan)}
+    assert len(plans) == 39 and set(plans) == {(SlicePlan, SlicePlan)}

@@ -14,7 +14,7 @@ from helpers import naive_attention as naive
 
 from encdec_engine import SamplingParams
 from encdec_engine.attention.backends.base import store_kv
-from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend, _GatherPlan, _SlicePlan
+from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend, GatherPlan, SlicePlan
 from encdec_engine.attention.backends.xformers_masks import prefill_attn_bias
 from encdec_engine.quantization.kv_int8 import (KV_QUANT_GROUP, dequantize_kv, quantize_kv, row_width,
                                               tokens_ratio)
@@ -79,8 +79,8 @@ def int8_paged(k_lens, num_kv_heads, head_dim, block_size, contiguous, seed):
 
 @pytest.mark.parametrize("head_dim", [40, 100])  # one scale per row (folded into the scores), two groups
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k_lens,contiguous,plan", [([1, 9, 17, 4], False, _GatherPlan),
-                                                     ([130, 300, 129], True, _SlicePlan)])
+@pytest.mark.parametrize("k_lens,contiguous,plan", [([1, 9, 17, 4], False, GatherPlan),
+                                                     ([130, 300, 129], True, SlicePlan)])
 def test_torch_decode_over_int8_cache_equals_attention_over_dequantized_values(k_lens, contiguous, plan,
                                                                                  query_dtype, head_dim):
     num_heads, num_kv_heads, block_size = 4, 2, 4

@@ -32,7 +32,7 @@ HEAD_MAJOR_BUDGET = 256 * 2**20  # bytes of head-major cross-context copies a ba
 
 
 @dataclass
-class _GatherPlan:
+class GatherPlan:
     """Padded cache reads of one view, shared by every layer of a step."""
 
     slots: torch.Tensor  # [num_seqs * max_key_len] cache slot per padded key
@@ -64,14 +64,14 @@ class FreshPlan:
 
 
 @dataclass
-class _SlicePlan:
+class SlicePlan:
     """Decode reads where every sequence's context is one contiguous run of slots
     (the usual case for cross tables, allocated in one go): zero-copy views."""
 
     starts: list[int]  # first slot of each sequence's context
 
 
-def plan_gather(view: AttentionView, block_size: int) -> _GatherPlan:
+def plan_gather(view: AttentionView, block_size: int) -> GatherPlan:
     assert view.block_tables is not None
     max_key = view.max_key_len
     device = view.block_tables.device
@@ -87,11 +87,11 @@ def plan_gather(view: AttentionView, block_size: int) -> _GatherPlan:
     query_positions = view.key_lens[:, None] - q_lens[:, None] + j[None, :]  # [num_seqs, max_query_len]
     if view.causal and view.max_query_len > 1:
         mask = mask & (pos[None, None, :] <= query_positions[:, :, None])[:, None]
-    return _GatherPlan(slots.reshape(-1), mask, query_positions)
+    return GatherPlan(slots.reshape(-1), mask, query_positions)
 
 
-def plan_slices(view: AttentionView, block_size: int) -> _SlicePlan | None:
-    """A _SlicePlan if every context is contiguous in the pool, else None."""
+def plan_slices(view: AttentionView, block_size: int) -> SlicePlan | None:
+    """A SlicePlan if every context is contiguous in the pool, else None."""
     if view.max_query_len != 1 or view.block_tables.device.type != "cpu":
         return None
     tables = view.block_tables.numpy()
@@ -101,7 +101,7 @@ def plan_slices(view: AttentionView, block_size: int) -> _SlicePlan | None:
         if len(used) > 1 and not (used[1:] - used[:-1] == 1).all():
             return None
         starts.append(int(used[0]) * block_size)
-    return _SlicePlan(starts)
+    return SlicePlan(starts)
 
 
 class HeadMajorContexts:
@@ -195,7 +195,7 @@ class TorchSDPABackend:
         decode_reads = [v for v in (metadata.decoder, metadata.cross)
                          if v is not None and v.reads_cache and not v.causal and v.max_query_len == 1]
         if decode_reads:  # a decode step: the copies of contexts it does not read go
-            self.head_major.keep({context for v in decode_reads if isinstance(v.plan, _SlicePlan)
+            self.head_major.keep({context for v in decode_reads if isinstance(v.plan, SlicePlan)
                                   for context in zip(v.plan.starts, v.key_lens_list)})
 
     def forward(self, query, key, value, kv_cache, view: AttentionView, scale: float,
@@ -257,9 +257,9 @@ class TorchSDPABackend:
     def _attend_cache(self, query, kv_cache, view: AttentionView, scale: float,
                       position_bias: PositionBias | None = None) -> torch.Tensor:
         """Paged attention: read each sequence's cached context in place or gathered, padded per batch."""
-        if isinstance(view.plan, _SlicePlan):
+        if isinstance(view.plan, SlicePlan):
             return self._attend_slices(query, kv_cache, view, view.plan, scale, position_bias)
-        plan = view.plan if isinstance(view.plan, _GatherPlan) else plan_gather(view, self.block_size)
+        plan = view.plan if isinstance(view.plan, GatherPlan) else plan_gather(view, self.block_size)
         key_mask = plan.key_mask if position_bias is None else plan.additive_mask(position_bias, query.dtype)
         _, _, _, num_kv_heads, width = kv_cache.shape
         num_seqs, max_key, head_dim = view.num_seqs, view.max_key_len, query.shape[-1]
@@ -288,7 +288,7 @@ class TorchSDPABackend:
         return out
 
 
-    def _attend_slices(self, query, kv_cache, view: AttentionView, plan: _SlicePlan, scale: float,
+    def _attend_slices(self, query, kv_cache, view: AttentionView, plan: SlicePlan, scale: float,
                        position_bias: PositionBias | None = None) -> torch.Tensor:
         """One query per sequence against its contiguous run of slots. In fp32, two batched matmuls over
         the kv heads: SDPA would copy the strided [L, H, D] -> [H, L, D] views first (4x slower for a
