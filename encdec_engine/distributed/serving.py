@@ -60,13 +60,14 @@ class ReplicaMetrics(Metrics):
         self.replica = replica
         self.others: dict[str, str] = {}
 
-    def own(self, engine, admission, audio_memory=None) -> str:
+    def own(self, engine, admission, *parts) -> str:
         info = (f'encdec_replica_info{{pid="{os.getpid()}",node="{socket.gethostname()}"}} 1')
-        return (super().render(engine, admission, audio_memory) + "# HELP encdec_replica_info The replica's process\n"
+        return (super().render(engine, admission, *parts) + "# HELP encdec_replica_info The replica's process\n"
                 "# TYPE encdec_replica_info gauge\n" + info + "\n")
 
-    def render(self, engine, admission, audio_memory=None) -> str:
-        return merge({self.replica: self.own(engine, admission, audio_memory), **self.others})
+    def render(self, engine, admission, *parts) -> str:
+        """`parts`: what `Metrics.render` takes after the admission (audio memory, realtime sessions)."""
+        return merge({self.replica: self.own(engine, admission, *parts), **self.others})
 
 
 class ReplicaHeader:

@@ -49,6 +49,7 @@ SEMANTIC_RULES = {
         "stream_options needs stream=true",
         "this request may generate",
         "prompt N: ", "encoder prompt: ", "decoder prompt: ",  # the prompt as the engine reads it
+        "prompt has N tokens", "decoder_prompt has N tokens",  # beyond the model's positions
         "logit_bias: token id",
         "SamplingParams.",
         "target_language", "source_language",  # a language the model does not have, a model that does not translate
