@@ -44,6 +44,7 @@ import httpx
 import numpy as np
 import soundfile as sf
 import websockets.asyncio.client
+from load_test import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -354,7 +355,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         server = subprocess.Popen(cmd, stdout=open(Path(tmp) / "server.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT)
         try:
-            _wait_healthy(url, server)
+            wait_healthy(url, server)
             times = word_times(url)
             for n in counts:
                 recs = recordings(n, args.quick)
@@ -392,20 +393,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"the server at {url} was not healthy after {timeout:.0f} s")
 
 
 if __name__ == "__main__":
