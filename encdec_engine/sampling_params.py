@@ -246,7 +246,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value >= vocab_size:
                 fail(name, value)
-        for name in ("suppress_tokens", "begin_suppress_tokens", "allowed_token_ids", "logit_bias"):
+        for name in ("suppress_tokens", "begin_suppress_tokens", "allowed_token_ids", "logit_bias", "stop_token_ids"):
             ids = getattr(self, name) or ()
             if isinstance(ids, range) and (not ids or max(ids[0], ids[-1]) < vocab_size):
                 continue  # a range (e.g. every text token) is checked at its ends

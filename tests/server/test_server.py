@@ -333,6 +333,7 @@ BAD_COMPLETIONS = [
     ({"json": {"prompt": "x", "logit_bias": {"\u00b2": 1}}}, 400, "String should match pattern '^[0-9]+$'"),
     ({"json": {"prompt": "x", "logit_bias": {"5": 101}}}, 400, "logit_bias.5: Input should be less than or equal to 100"),
     ({"json": {"prompt": "x", "logit_bias": {"99999": 1}}}, 400, "logit_bias [99999] is outside the vocabulary"),
+    ({"json": {"prompt": "x", "stop_token_ids": [2, 99999]}}, 400, "stop_token_ids [99999] is outside the vocabulary"),
     ({"json": {"prompt": "x", "presence_penalty": 2.5}}, 400, "presence_penalty"),
     ({"json": {"prompt": "x", "bad_words": [""]}}, 400, "bad_words.0: String should have at least 1 character"),
     ({"json": {"prompt": "x", "bad_words": [" "]}}, 400, "bad_words must be a list of non-blank strings"),
