@@ -352,20 +352,24 @@ def main() -> int:
     header = ("| system | N | audio s | words | word lag p50 / p95 / max s | completed p50 / p95 / max s | "
               "WER vs offline % | turns with text before stop | CPU cores | real time |\n|---|---|---|---|---|---|---|---|---|---|")
     rows, best = [], {"engine": 0, "faster-whisper": 0}
+
+    def sweep(system: str, measure) -> None:
+        """`measure` (recordings -> Run) for each N in turn; stops past real time unless --all."""
+        for n in counts:
+            recs = recordings(n, args.quick)
+            run = measure(recs)
+            rows.append(row(system, n, recs, run))
+            print(rows[-1], flush=True)
+            if real_time(run):
+                best[system] = n
+            elif not args.all:
+                break
     with tempfile.TemporaryDirectory() as tmp:
         server = subprocess.Popen(cmd, stdout=open(Path(tmp) / "server.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT)
         try:
             wait_healthy(url, server)
             times = word_times(url)
-            for n in counts:
-                recs = recordings(n, args.quick)
-                run = engine_run(url, recs, times, server.pid)
-                rows.append(row("engine", n, recs, run))
-                print(rows[-1], flush=True)
-                if real_time(run):
-                    best["engine"] = n
-                elif not args.all:
-                    break
+            sweep("engine", lambda recs: engine_run(url, recs, times, server.pid))
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(60)
@@ -374,15 +378,8 @@ def main() -> int:
         from encdec_engine.speech.live_model import LiveModel
 
         live_model = LiveModel(LLM(threads=args.threads, kv_cache_space_gb=0.1).engine)  # token facts only
-        for n in counts:
-            recs = recordings(n, args.quick)
-            run = faster_whisper_run(recs, times, live_model, "int8" if args.quantization else "float32", args.threads)
-            rows.append(row("faster-whisper", n, recs, run))
-            print(rows[-1], flush=True)
-            if real_time(run):
-                best["faster-whisper"] = n
-            elif not args.all:
-                break
+        compute = "int8" if args.quantization else "float32"
+        sweep("faster-whisper", lambda recs: faster_whisper_run(recs, times, live_model, compute, args.threads))
     print(f"\n{header}\n" + "\n".join(rows))
     print(f"\nlargest N in real time: engine {best['engine']}"
           + ("" if args.no_faster_whisper else f", faster-whisper one stream at a time {best['faster-whisper']}"))

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_step import run_worker
+
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 RECORDINGS = [ROOT / "prompts" / "audio" / "long_meeting.flac"]
@@ -205,15 +207,6 @@ def measure(generate, args, batches=(1, BATCH)) -> dict:
     return result
 
 
-def run_worker(python: str, options: list[str], args) -> dict:
-    cmd = [python, __file__, "--threads", str(args.threads), "--tokens", str(args.tokens),
-           "--tokens-low", str(args.tokens_low), "--repeats", str(args.repeats), *options]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(options)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 # -- the run -------------------------------------------------------------------------------------------
 def systems(size: str, args) -> dict[str, tuple[str, list[str]]]:
     hf = make_checkpoint(size)
@@ -295,7 +288,7 @@ def main() -> int:
         results: dict[str, dict] = {}
         for _ in range(args.rounds):
             for name, (python, options) in rows.items():
-                r = run_worker(python, options, args)
+                r = run_worker(python, options, args, script=__file__)
                 best = results.setdefault(name, r)
                 for key, value in r.items():
                     if key.endswith(("_ms", "_s")) and value < best[key]:

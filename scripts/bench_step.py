@@ -176,8 +176,9 @@ def measure(generate, args) -> dict:
             "tokens": tokens}
 
 
-def run_worker(python: str, options: list[str], args) -> dict:
-    cmd = [python, __file__, "--threads", str(args.threads), "--tokens", str(args.tokens),
+def run_worker(python: str, options: list[str], args, script: str = __file__) -> dict:
+    """Run `script`'s worker mode in `python` (a process of its own) and return the JSON it prints last."""
+    cmd = [python, script, "--threads", str(args.threads), "--tokens", str(args.tokens),
            "--tokens-low", str(args.tokens_low), "--repeats", str(args.repeats), *options]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
