@@ -16,6 +16,11 @@ of --ct2-batch-size sorted by length), and HF `generate` in fp32 at the best of 
 (probed on the first --hf-probe requests; batches sorted by length, padded). Systems alternate within
 each round; the table reports each system's best round, the ratios (targets: 1.3x CTranslate2 at the
 same precision, 3x HF) and how many outputs equal the engine's, token for token.
+
+Every timed run is a process of its own (this script's --worker mode: load, warm up, time one run,
+print the outputs as JSON). In one process the systems slow each other: with a CTranslate2 translator
+loaded beside it, the engine's Marian-base fp32 run took 31.8 s against 19.6 s alone (Zen 4, 2 threads;
+both OpenMP pools wait on the same two cores).
 """
 
 from __future__ import annotations
@@ -202,6 +207,48 @@ def timed(run) -> tuple[float, list]:
     return time.perf_counter() - t0, outputs
 
 
+def worker(args) -> dict:
+    """One system's timed run in this process (--worker): {"seconds", "outputs"}, or for --worker hf-probe
+    the best HF batch size on the first --hf-probe requests: {"batch"}."""
+    folder = Path(args.folder)
+    vocab, config, ids, start, sources = load_workload(folder, args)
+    torch.set_num_threads(args.threads)
+    if args.worker == "hf-probe":
+        sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
+        times = {size: timed(run_hf(folder, sources[: args.hf_probe], args.new_tokens, args.threads, size,
+                                    vocab["<pad>"], start))[0] for size in sizes}
+        return {"batch": min(times, key=times.get)}
+    int8 = args.precision == "int8"
+    if args.worker == "engine":
+        run = run_engine(folder, sources, args.new_tokens, args.threads, int8, start)
+    elif args.worker == "ct2":
+        run = run_ct2(Path(args.ct2_dir), sources, args.new_tokens, args.threads, int8, vocab, args.ct2_batch_size)
+    else:
+        run = run_hf(folder, sources, args.new_tokens, args.threads, args.hf_batch, vocab["<pad>"], start)
+    seconds, outputs = timed(run)
+    return {"seconds": seconds, "outputs": outputs}
+
+
+def load_workload(folder: Path, args):
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    config = json.loads((folder / "config.json").read_text())
+    ids = {"eos": vocab["</s>"], "vocab": vocab, "specials": {"<s>", "<pad>", "</s>", "<unk>"} & set(vocab)}
+    sources = workload(args.requests, args.min_len, args.max_len, config["vocab_size"], ids)
+    return vocab, config, ids, config["decoder_start_token_id"], sources
+
+
+def run_worker(args, *options: str) -> dict:
+    """This script's --worker mode in a process of its own, with the workload's arguments; its JSON."""
+    cmd = [sys.executable, __file__, "--requests", str(args.requests), "--min-len", str(args.min_len),
+           "--max-len", str(args.max_len), "--new-tokens", str(args.new_tokens), "--threads", str(args.threads),
+           "--ct2-batch-size", str(args.ct2_batch_size), "--hf-batch-sizes", args.hf_batch_sizes,
+           "--hf-probe", str(args.hf_probe), *options]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(options)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> str:
     same = sum(a == b for a, b in zip(outputs, reference))
     return f"{same}/{len(reference)}"
@@ -223,17 +270,24 @@ def main() -> None:
     p.add_argument("--hf-probe", type=int, default=32, help="requests the HF batch sizes are probed on")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--workdir", default=str(ROOT / "models" / "bench-text"))
+    p.add_argument("--worker", choices=["engine", "ct2", "hf", "hf-probe"], help=argparse.SUPPRESS)
+    p.add_argument("--folder", help=argparse.SUPPRESS)
+    p.add_argument("--ct2-dir", help=argparse.SUPPRESS)
+    p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    p.add_argument("--hf-batch", type=int, default=8, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.quick:
         args.requests, args.min_len, args.max_len, args.new_tokens, args.rounds = 8, 8, 32, 8, 1
         args.hf_batch_sizes, args.hf_probe = "4,8", 8
-    torch.set_num_threads(args.threads)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
     print(cpu_description())
     import ctranslate2
     import transformers
     print(f"torch {torch.__version__}, ctranslate2 {ctranslate2.__version__}, transformers {transformers.__version__}; "
           f"{args.threads} threads; {args.requests} requests, sources {args.min_len}..{args.max_len} tokens, "
-          f"{args.new_tokens} new tokens each (EOS suppressed), greedy\n")
+          f"{args.new_tokens} new tokens each (EOS suppressed), greedy; every run a process of its own\n")
     work = Path(args.workdir) / ("quick" if args.quick else "base")
     rows = []
     for arch in args.models.split(","):
@@ -241,37 +295,25 @@ def main() -> None:
         if not (folder / "config.json").exists():
             shutil.rmtree(folder, ignore_errors=True)
             make_checkpoint(folder, arch, args.quick)
-        vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
-        config = json.loads((folder / "config.json").read_text())
-        ids = {"eos": vocab["</s>"], "vocab": vocab, "specials": {"<s>", "<pad>", "</s>", "<unk>"} & set(vocab)}
-        start = config["decoder_start_token_id"]
-        sources = workload(args.requests, args.min_len, args.max_len, config["vocab_size"], ids)
         generated = args.requests * args.new_tokens
-        hf_fp32 = None
-        if not args.no_hf:
-            best = None
-            for size in [int(s) for s in args.hf_batch_sizes.split(",")]:
-                seconds, _ = timed(run_hf(folder, sources[: args.hf_probe], args.new_tokens, args.threads, size,
-                                          vocab["<pad>"], start))
-                if best is None or seconds < best[0]:
-                    best = (seconds, size)
-            hf_fp32 = (best[1], run_hf(folder, sources, args.new_tokens, args.threads, best[1], vocab["<pad>"], start))
+        hf_batch = None if args.no_hf else run_worker(args, "--worker", "hf-probe", "--folder", str(folder))["batch"]
         for precision in args.precisions.split(","):
             int8 = precision == "int8"
             ct2_dir = work / f"{arch}-ct2-{precision}"
             if not (ct2_dir / "model.bin").exists():
                 convert(folder, ct2_dir, "int8" if int8 else None)
-            systems = {"engine": run_engine(folder, sources, args.new_tokens, args.threads, int8, start),
-                       "ctranslate2": run_ct2(ct2_dir, sources, args.new_tokens, args.threads, int8, vocab,
-                                              args.ct2_batch_size)}
-            if hf_fp32 is not None and not int8:
-                systems[f"hf (batch {hf_fp32[0]})"] = hf_fp32[1]
+            common = ("--folder", str(folder), "--precision", precision)
+            systems = {"engine": ("--worker", "engine", *common),
+                       "ctranslate2": ("--worker", "ct2", "--ct2-dir", str(ct2_dir), *common)}
+            if hf_batch is not None and not int8:
+                systems[f"hf (batch {hf_batch})"] = ("--worker", "hf", "--hf-batch", str(hf_batch), *common)
             best_s: dict[str, float] = {}
             outputs: dict[str, list] = {}
             for _ in range(args.rounds):  # interleaved: every system once per round
-                for name, run in systems.items():
-                    seconds, outputs[name] = timed(run)
-                    best_s[name] = min(best_s.get(name, float("inf")), seconds)
+                for name, options in systems.items():
+                    result = run_worker(args, *options)
+                    outputs[name] = result["outputs"]
+                    best_s[name] = min(best_s.get(name, float("inf")), result["seconds"])
             for name in systems:
                 distinct = len({tuple(o) for o in outputs[name]})  # a stuck random model would agree trivially
                 rows.append((arch, precision, name, best_s[name], generated / best_s[name],

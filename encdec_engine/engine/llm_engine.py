@@ -7,6 +7,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from encdec_engine.config import EngineConfig
 from encdec_engine.engine.beam_search import BeamState
 from encdec_engine.engine.block_manager import BlockManager, blocks_for
@@ -25,6 +27,7 @@ from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
 from encdec_engine.worker.cuda_graphs import graph_batch_sizes
 from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool, weight_bytes
 from encdec_engine.worker.model_runner import ModelRunner
+from encdec_engine.worker.host_memory import keep_freed_memory
 from encdec_engine.worker.threads import configure_threads
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.threads = configure_threads(config.threads)  # before any heavy work: loading packs weights too
+        if config.torch_device.type == "cpu":
+            keep_freed_memory()  # big step tensors reuse freed memory instead of faulting in fresh pages
         loaded: LoadedModel = load_model(config)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.generation_config = loaded.generation_config
@@ -73,6 +78,8 @@ class LLMEngine:
                                    self.block_manager)
         self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.kv_cache_dtype, self.device)
         self.runner = ModelRunner(self.model, loaded.backend, self.cache_engine, bs, self.device, config.seed)
+        if hasattr(loaded.backend, "size_copies"):  # the CPU backend's head-major cross-context copies
+            loaded.backend.size_copies(num_blocks * bytes_per_block(spec, bs, torch.float32))
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_decode_graphs(loaded)
         self.input_processor = InputProcessor(

@@ -115,10 +115,12 @@ class VocabProjection:
         """Project through `kernel(weight, None)` for weights that `applies`; None: F.linear."""
         self._kernel, self._applies, self._prepared, self._key = kernel, applies, None, None
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden @ weight.T (+ bias, added by the kernel: one pass over the logits, not two)."""
         if self._kernel is None or not self._applies(weight):
-            return nn.functional.linear(hidden, weight)
-        key = (weight.data_ptr(), weight._version, weight.shape)
+            return nn.functional.linear(hidden, weight, bias)
+        key = (weight.data_ptr(), weight._version, weight.shape,
+               None if bias is None else (bias.data_ptr(), bias._version))
         if self._key != key:  # loaded, or changed since
-            self._prepared, self._key = self._kernel(weight, None), key
+            self._prepared, self._key = self._kernel(weight, bias), key
         return self._prepared(hidden)

@@ -213,11 +213,10 @@ class FamilyModel(nn.Module):
         return self.decoder(input_ids, positions, kv_caches, metadata, encoder_hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        if self.lm_head is None:  # tied to the decoder's input embedding
-            logits = self.vocab_projection(hidden, self.decoder.embed_tokens.weight)
-        else:
-            logits = self.lm_head(hidden)
-        return logits if self.final_logits_bias is None else logits + self.final_logits_bias
+        if self.lm_head is None:  # tied to the decoder's input embedding; the bias added by the matmul
+            return self.vocab_projection(hidden, self.decoder.embed_tokens.weight, self.final_logits_bias)
+        logits = self.lm_head(hidden)
+        return logits if self.final_logits_bias is None else logits.add_(self.final_logits_bias)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for stack in (self.encoder, self.decoder):

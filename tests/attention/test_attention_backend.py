@@ -147,8 +147,9 @@ def test_sequences_sharing_a_context_read_it_once_and_get_their_own_attention(nu
     assert isinstance(shared.plan, SlicePlan) and len(set(shared.plan.starts)) == 1
     q = torch.randn(4, H, D)
     calls = []
-    real_bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda a, b: calls.append(a.shape) or real_bmm(a, b))
+    for name in ("bmm", "matmul"):  # the pool's context, or its head-major copy in a slab
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda a, b, real=real, **kw: calls.append(a.shape) or real(a, b, **kw))
     out = backend.forward(q, None, None, cache, shared, SCALE)
     monkeypatch.undo()
     assert len(calls) == 2  # scores and values, once for all four sequences
@@ -241,7 +242,7 @@ def test_head_major_copies_stay_within_their_budget():
     contexts = [_contiguous_context(cache, 1 + i * blocks, length, seed=i) for i in range(2)]
     tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(2)]
     backend = TorchSDPABackend(BS)
-    one = 2 * length * num_kv_heads * D * 4
+    one = backend.head_major.slot_nbytes(length, num_kv_heads, D)
     backend.head_major.budget = one  # room for one context's copy
     q = torch.randn(2, H, D, generator=torch.Generator().manual_seed(0))
     out = _cross_decode(backend, cache, tables, [length, length], q)
@@ -249,6 +250,44 @@ def test_head_major_copies_stay_within_their_budget():
     for i, (k, v, _) in enumerate(contexts):  # the second context is read from the pool
         ref = naive(q[i : i + 1], k, v, torch.zeros(1, length), num_kv_heads)
         torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cross_contexts_of_one_padded_length_are_read_as_one_batch_through_every_change():
+    """Contexts whose lengths round up alike share a slab (one padded matmul for all of them). Every
+    sequence still gets its own context's attention as the step's set changes: a context dropped from
+    the middle of a slab (the last slot moves into its place), one that comes back read by two
+    sequences (another slab), and a fresh one."""
+    lengths = [150, 140, 150, 40, 133]  # 150, 140, 133 -> 160 keys; 40 -> 64
+    num_kv_heads = 2
+    starts = np.cumsum([1] + [-(-n // BS) for n in lengths[:-1]]).tolist()
+    cache = torch.zeros(2, starts[-1] + -(-lengths[-1] // BS) + 1, BS, num_kv_heads, D)
+    contexts = [_contiguous_context(cache, b, n, seed=i) for i, (b, n) in enumerate(zip(starts, lengths))]
+    tables = [list(range(b, b + -(-n // BS))) for b, n in zip(starts, lengths)]
+    backend = TorchSDPABackend(BS)
+    gen = torch.Generator().manual_seed(9)
+
+    def step_reads(which):  # which: the context each sequence of the step reads
+        q = torch.randn(len(which), H, D, generator=gen)
+        out = _cross_decode(backend, cache, [tables[c] for c in which], [lengths[c] for c in which], q)
+        for i, c in enumerate(which):
+            k, v, _ = contexts[c]
+            ref = naive(q[i : i + 1], k, v, torch.zeros(1, lengths[c]), num_kv_heads)
+            torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+
+    def slab_counts():
+        return sorted((length, readers, len(slab.contexts)) for (_, length, readers), slab in backend.head_major.slabs.items())
+
+    with torch.inference_mode():  # as the engine's forwards run: the slabs are inference tensors
+        step_reads([0, 1, 2, 3])
+    assert slab_counts() == [(64, 1, 1), (160, 1, 3)]
+    step_reads([3, 2, 0])  # context 1 goes from the middle of its slab (outside inference mode: a step's plan)
+    assert slab_counts() == [(64, 1, 1), (160, 1, 2)]
+    step_reads([2, 0, 1, 1, 4])  # context 1 back, read by two sequences; context 4 new
+    assert slab_counts() == [(160, 1, 3), (160, 2, 1)]
+    total = sum(slab.nbytes for slab in backend.head_major.slabs.values())
+    assert backend.head_major.nbytes == total
+    backend.release()
+    assert not backend.head_major.copies and not backend.head_major.slabs and backend.head_major.nbytes == 0
 
 
 def test_int8_cross_context_is_read_from_a_dequantized_head_major_copy():
