@@ -19,7 +19,7 @@ same precision, 3x HF) and how many outputs equal the engine's, token for token.
 
 Every timed run is a process of its own (this script's --worker mode: load, warm up, time one run,
 print the outputs as JSON). In one process the systems slow each other: with a CTranslate2 translator
-loaded beside it, the engine's Marian-base fp32 run took 31.8 s against 19.6 s alone (Zen 4, 2 threads;
+loaded beside it, the engine's Marian-base fp32 run took 31.8 s against 19.6 s alone (Zen 5, 2 threads;
 both OpenMP pools wait on the same two cores).
 """
 

@@ -70,6 +70,8 @@ class AttentionView:
     key_lens_list: list[int] | None = None
     key_start_loc_list: list[int] | None = None
     plan: Any = None  # backend-specific precomputation for this step (see AttentionBackend.plan)
+    # Decode self views: each row's sequence id, for a backend that keeps state per sequence across steps.
+    seq_ids: list[int] | None = None
 
     @classmethod
     def from_arrays(cls, query_start_loc, key_lens, causal: bool, device: torch.device | str = "cpu",

@@ -104,6 +104,7 @@ class DecodeBatch:
     seq_lens: np.ndarray  # [n] self keys, the new token included
     cross_block_tables: np.ndarray | None = None  # [n, wc] cross-cache blocks; None without an encoder
     encoder_lens: np.ndarray | None = None  # [n] cross keys
+    seq_ids: list[int] | None = None  # [n] each row's sequence
 
     @property
     def num_seqs(self) -> int:

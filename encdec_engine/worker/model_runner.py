@@ -230,7 +230,7 @@ class ModelRunner:
         dec = prepare_token_arrays(np.ones(len(rows), dtype=np.int64), seq_lens - 1, block_table, self.block_size)
         input_ids = np.array([(d.output_token_ids or d.prompt_token_ids)[-1] for d in data], dtype=np.int64)
         batch = DecodeBatch(input_ids=input_ids, positions=dec.positions, slot_mapping=dec.slot_mapping,
-                            block_tables=block_table, seq_lens=dec.seq_lens)
+                            block_tables=block_table, seq_lens=dec.seq_lens, seq_ids=[r.seq_id for r in rows])
         if rows[0].group.encoder_seq_data is not None:
             batch.encoder_lens = np.array([r.group.encoder_seq_data.num_positions for r in rows], dtype=np.int64)
             batch.cross_block_tables = pad_rows([r.group.cross_block_table for r in rows])
@@ -240,6 +240,7 @@ class ModelRunner:
         query_start_loc = np.arange(batch.num_seqs + 1, dtype=np.int64)
         decoder = self._view(query_start_loc, batch.seq_lens, causal=True, slot_mapping=batch.slot_mapping,
                              block_tables=batch.block_tables)
+        decoder.seq_ids = batch.seq_ids
         metadata = AttentionMetadata(decoder=decoder, block_size=self.block_size)
         if batch.encoder_lens is not None:
             metadata.cross = self._view(query_start_loc, batch.encoder_lens, causal=False,

@@ -315,3 +315,65 @@ def test_int8_cross_context_is_read_from_a_dequantized_head_major_copy():
     out = decode(with_copy)
     assert len(with_copy.head_major.copies) == 1 and not folded.head_major.copies
     torch.testing.assert_close(out, decode(folded), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_self_reads_come_from_rows_that_follow_every_change_of_their_sequences():
+    """Several sequences decoding read their self contexts from rows the steps append to. Through
+    growth past a block and past the rows' length, a sequence whose blocks change (copy-on-write: the
+    same contents in other blocks), one that leaves, one that joins, and a block the cache engine
+    rewrites, every sequence gets attention over exactly its own context."""
+    num_kv_heads, num_blocks = 2, 64
+    cache = torch.zeros(2, num_blocks, BS, num_kv_heads, D)
+    gen = torch.Generator().manual_seed(4)
+    free = list(range(num_blocks - 1, 0, -1))
+    contexts: dict[int, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}  # id -> (table, ks, vs)
+    backend = TorchSDPABackend(BS)
+
+    def grow(seq_id):  # the sequence's new position: a block when it needs one, K/V to store there
+        table, ks, vs = contexts.setdefault(seq_id, ([], [], []))
+        if len(ks) % BS == 0:
+            table.append(free.pop())
+        ks.append(torch.randn(num_kv_heads, D, generator=gen))
+        vs.append(torch.randn(num_kv_heads, D, generator=gen))
+        pos = len(ks) - 1
+        return table[pos // BS] * BS + pos % BS
+
+    def step(seq_ids):
+        slots = [grow(s) for s in seq_ids]
+        lens = [len(contexts[s][1]) for s in seq_ids]
+        view = make_view([1] * len(seq_ids), lens, True, slot_mapping=torch.tensor(slots),
+                         block_tables=torch.from_numpy(pad_rows([contexts[s][0] for s in seq_ids])))
+        view.seq_ids = list(seq_ids)
+        backend.plan(AttentionMetadata(decoder=view))
+        q = torch.randn(len(seq_ids), H, D, generator=gen)
+        key = torch.stack([contexts[s][1][-1] for s in seq_ids])
+        value = torch.stack([contexts[s][2][-1] for s in seq_ids])
+        with torch.inference_mode():
+            out = backend.forward(q, key, value, cache, view, SCALE)
+        for i, s in enumerate(seq_ids):
+            k, v = torch.stack(contexts[s][1]), torch.stack(contexts[s][2])
+            torch.testing.assert_close(out[i : i + 1], naive(q[i : i + 1], k, v, torch.zeros(1, len(k)), num_kv_heads),
+                                       rtol=1e-5, atol=1e-5)
+        return view
+
+    for _ in range(3):  # the first steps copy the sequences in; the next ones append
+        view = step([1, 2, 3])
+    from encdec_engine.attention.backends.torch_sdpa import SelfRowsPlan
+    assert isinstance(view.plan, SelfRowsPlan) and view.plan.append is not None and not view.plan.rebuild
+    table = contexts[2][0]  # copy-on-write: sequence 2's first block's contents move to a new block
+    moved = free.pop()
+    cache[:, moved] = cache[:, table[0]]
+    table[0] = moved
+    view = step([3, 2, 1])
+    assert [row for _, row, _ in view.plan.rebuild] == [backend.self_rows.row_of[2]]
+    for _ in range(2 * BS):  # past several blocks; sequence 1 leaves, 4 joins
+        step([2, 3, 4])
+    assert 1 not in backend.self_rows.row_of
+    written = contexts[3][0][0]  # the cache engine rewrites a block of sequence 3 (a swap-in, say)
+    cache[:, written] = torch.randn(cache[:, written].shape, generator=gen)
+    for pos in range(BS):
+        contexts[3][1][pos], contexts[3][2][pos] = cache[0, written, pos], cache[1, written, pos]
+    backend.blocks_written([written])
+    step([2, 3, 4])
+    backend.release()
+    assert not backend.self_rows.row_of and not backend.self_rows.storage
