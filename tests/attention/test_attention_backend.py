@@ -358,7 +358,7 @@ def test_decode_self_reads_come_from_rows_that_follow_every_change_of_their_sequ
 
     for _ in range(3):  # the first steps copy the sequences in; the next ones append
         view = step([1, 2, 3])
-    from encdec_engine.attention.backends.torch_sdpa import SelfRowsPlan
+    from encdec_engine.attention.backends.cpu_copies import SelfRowsPlan
     assert isinstance(view.plan, SelfRowsPlan) and view.plan.append is not None and not view.plan.rebuild
     table = contexts[2][0]  # copy-on-write: sequence 2's first block's contents move to a new block
     moved = free.pop()
