@@ -274,6 +274,16 @@ class SelfRows:
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.storage.values())
 
+    def blocks_written(self, blocks) -> None:
+        """The cache engine wrote these blocks: a row holding one of them is copied again from the pool at
+        its next read."""
+        if len(blocks) == 0:
+            return
+        written = np.asarray(blocks, dtype=np.int64)
+        for row, table in enumerate(self.tables):
+            if np.isin(table, written).any():
+                self.have[row] = -1
+
     def plan(self, view: AttentionView) -> SelfRowsPlan | None:
         """The step's plan, or None (state dropped) when its rows would not fit the budget."""
         bs, seq_ids, key_lens = self.block_size, view.seq_ids, view.key_lens_list

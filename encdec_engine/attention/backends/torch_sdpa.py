@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -128,11 +127,7 @@ class TorchSDPABackend:
     def blocks_written(self, blocks: list[int]) -> None:
         """The cache engine moved or copied K/V into these blocks."""
         self.head_major.blocks_written(blocks)
-        if len(blocks):  # a row holding one of them is copied again from the pool at its next read
-            written = np.asarray(blocks, dtype=np.int64)
-            for row, table in enumerate(self.self_rows.tables):
-                if np.isin(table, written).any():
-                    self.self_rows.have[row] = -1
+        self.self_rows.blocks_written(blocks)
 
     def size_copies(self, pool_fp32_bytes: int) -> None:
         """Let the head-major copies take up to half of what the KV pool would take in fp32 (at least
