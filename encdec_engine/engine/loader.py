@@ -13,7 +13,7 @@ from torch import nn
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
-from encdec_engine.worker.cpu_kernels import prepare_cpu_linears
+from encdec_engine.worker.cpu_kernels import machine_plan, prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.encdec_layers import EncDecAttention
 from encdec_engine.checkpoints.generation_config import decoder_start_token_id, load_generation_config
@@ -129,7 +129,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     for module in model.modules():
         if isinstance(module, EncDecAttention):
             module.fold_query_scaling()
-    prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (worker/cpu_kernels.py)
+    plan = prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (worker/cpu_kernels.py)
+    if plan is not None and hasattr(backend, "onednn_attention"):  # long prefill attention on the linears' library
+        backend.onednn_attention = machine_plan(int8=False).fp32 == "onednn"
 
     eos = hf_config.eos_token_id
     if isinstance(eos, list):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from helpers import make_view
+from helpers import make_view, naive_attention
 
 from encdec_engine.attention.backends.base import store_kv
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
@@ -377,3 +377,29 @@ def test_decode_self_reads_come_from_rows_that_follow_every_change_of_their_sequ
     step([2, 3, 4])
     backend.release()
     assert not backend.self_rows.row_of and not backend.self_rows.storage
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+@pytest.mark.parametrize("lens,num_kv_heads", [([600, 600], 3), ([520, 900, 40], 1)])
+def test_long_bidirectional_prefill_through_onednn_matches_naive(lens, num_kv_heads, monkeypatch):
+    """Whisper-like windows (equal lengths: the reshape path's case) and mixed lengths (a short one stays on
+    SDPA), grouped-query heads, query blocks that do not divide the length: the oneDNN path equals attention
+    computed in fp64, and every long sequence went through it."""
+    from encdec_engine.attention.ops import onednn_attention
+
+    torch.manual_seed(5)
+    heads, head_dim = 6, 16
+    calls = []
+    attend = onednn_attention.attend
+    monkeypatch.setattr(onednn_attention, "attend", lambda q, *a: (calls.append(q.shape[0]), attend(q, *a)))
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist()
+    view = make_view(lens, lens, False, key_start_loc=starts)
+    q = torch.randn(sum(lens), heads, head_dim)
+    k, v = torch.randn(sum(lens), num_kv_heads, head_dim), torch.randn(sum(lens), num_kv_heads, head_dim)
+    backend = TorchSDPABackend(BS)
+    backend.onednn_attention = True
+    out = backend.forward(q, k, v, None, view, head_dim**-0.5)
+    assert sorted(calls) == sorted(n for n in lens if n >= onednn_attention.MIN_KEYS)
+    reference = torch.cat([naive_attention(q[s : s + n], k[s : s + n], v[s : s + n], head_dim**-0.5)
+                           for s, n in zip(starts, lens)])
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)

@@ -27,6 +27,7 @@ from encdec_engine.attention.backends.cpu_copies import (HEAD_MAJOR_BUDGET, Head
                                                          SelfRowsPlan, SlabRead)
 from encdec_engine.quantization.kv_int8 import as_stored, attend_int8_rows, num_groups, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
+from encdec_engine.attention.ops import onednn_attention
 from encdec_engine.attention.position_bias import PositionBias
 
 _SLICE_MIN_KEYS = 128  # below this, one padded gather beats a loop over sequences (a lone one reads in place)
@@ -123,6 +124,9 @@ class TorchSDPABackend:
         self.block_size = block_size
         self.head_major = HeadMajorContexts(block_size)
         self.self_rows = SelfRows(block_size)
+        # Long bidirectional prefill attention through oneDNN matmuls (ops/onednn_attention.py); the loader
+        # turns it on where the machine's fp32 linears run on oneDNN.
+        self.onednn_attention = False
 
     def blocks_written(self, blocks: list[int]) -> None:
         """The cache engine moved or copied K/V into these blocks."""
@@ -210,6 +214,13 @@ class TorchSDPABackend:
                 fresh = view.plan if isinstance(view.plan, FreshPlan) else FreshPlan()
                 mask = fresh.bias_block(position_bias, q_len, k_len, view.causal, query)
             causal = view.causal and mask is None
+            if self.onednn_attention and mask is None and not view.causal and onednn_attention.applies(query, k_len):
+                for i in seqs:
+                    onednn_attention.attend(query[q_loc[i] : q_loc[i + 1]], key[k_loc[i] : k_loc[i] + k_len],
+                                            value[k_loc[i] : k_loc[i] + k_len],
+                                            query.shape[-1] ** -0.5 if scale is None else scale,
+                                            out[q_loc[i] : q_loc[i + 1]])
+                continue
             if len(seqs) == 1:
                 i = seqs[0]
                 q = query[q_loc[i] : q_loc[i + 1]].transpose(0, 1)[None]  # [1, H, q, D]
