@@ -48,8 +48,13 @@ class BlockAllocator:
     """Free blocks and reference counts of one pool, with an optional content cache.
 
     A freed block that holds cached content (it has a hash) stays findable
-    until it is handed out again; free blocks are reused least recently
-    freed first, so cached content lives as long as possible.
+    until it is handed out again. Free blocks are handed out in this order:
+    those without cached content, most recently freed first (their memory is
+    mapped and warm: a block never written costs a page fault per 4 KiB at
+    its first write, and taking fresh blocks while freed ones wait would
+    touch the whole pool, growing the process by its size); then blocks
+    never used; then cached blocks, least recently freed first, so cached
+    content lives as long as possible.
 
     A hash registered while a step is being scheduled is pending: the step's
     own groups may share it (they run in the same forward), and it stays once
@@ -74,7 +79,7 @@ class BlockAllocator:
         return len(self._free)
 
     def allocate(self, after: int | None = None) -> int:
-        """The least recently freed block; but `after + 1` when that one is free and holds no cached
+        """The first free block in the order above; but `after + 1` when that one is free and holds no cached
         content, so that a table grown block by block stays one run of ids (the CPU attention reads
         a lone sequence's run in place instead of gathering it at every step)."""
         if not self._free:
@@ -85,14 +90,15 @@ class BlockAllocator:
 
     def allocate_run(self, n: int) -> list[int]:
         """n blocks with consecutive ids where the free list has such a run, so that a context allocated
-        at once (a cross table) is read in place rather than gathered at every decode step. The n
-        least recently freed blocks when they are one; else the run holding the fewest cached blocks
-        (the lowest such); else, the pool too fragmented, the n least recently freed."""
+        at once (a cross table) is read in place rather than gathered at every decode step. The first n
+        free blocks (in the order above) when they are one run without cached content, in ascending
+        order; else the run holding the fewest cached blocks (the lowest such); else, the pool too
+        fragmented, the first n."""
         if n > len(self._free):
             raise RuntimeError("out of KV cache blocks")
         oldest = list(itertools.islice(self._free, n))
-        if oldest and oldest[-1] - oldest[0] == n - 1 and sorted(oldest) == oldest:
-            return [self._take(b) for b in oldest]
+        if oldest and max(oldest) - min(oldest) == n - 1 and not any(b in self._hash_of for b in oldest):  # one run
+            return [self._take(b) for b in sorted(oldest)]
         free = np.sort(np.fromiter(self._free, dtype=np.int64, count=len(self._free)))
         starts = np.flatnonzero(free[n - 1 :] - free[: len(free) - n + 1] == n - 1)  # runs free[i : i + n]
         if not len(starts):
@@ -126,6 +132,8 @@ class BlockAllocator:
         else:
             del self._refs[block]
             self._free[block] = None
+            if block not in self._hash_of:  # warm, nothing to keep: the next to hand out
+                self._free.move_to_end(block, last=False)
 
     # -- content cache ------------------------------------------------------
     def lookup(self, content_hash: bytes) -> int | None:
@@ -455,7 +463,7 @@ class BlockManager:
             return
         pool = self.swap if key in swapped else self.device
         swapped.discard(key)
-        for block in table:
+        for block in reversed(table):  # the pool hands freed blocks out last-first: the table's order again
             pool.free(block)
 
     def free_group(self, group: SequenceGroup) -> None:
