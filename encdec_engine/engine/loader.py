@@ -13,6 +13,7 @@ from torch import nn
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
+from encdec_engine.attention.ops import onednn_attention
 from encdec_engine.worker.cpu_kernels import machine_plan, prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.encdec_layers import EncDecAttention
@@ -130,8 +131,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
         if isinstance(module, EncDecAttention):
             module.fold_query_scaling()
     plan = prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (worker/cpu_kernels.py)
-    if plan is not None and hasattr(backend, "onednn_attention"):  # long prefill attention on the linears' library
-        backend.onednn_attention = machine_plan(int8=False).fp32 == "onednn"
+    if plan is not None and hasattr(backend, "onednn_attention") and machine_plan(int8=False).fp32 == "onednn":
+        # Long prefill attention on the linears' library; in bf16 where int8 weights already trade exactness.
+        bf16 = config.quantization == "int8" and onednn_attention.bf16_supported()
+        backend.onednn_attention = torch.bfloat16 if bf16 else torch.float32
 
     eos = hf_config.eos_token_id
     if isinstance(eos, list):

@@ -397,9 +397,22 @@ def test_long_bidirectional_prefill_through_onednn_matches_naive(lens, num_kv_he
     q = torch.randn(sum(lens), heads, head_dim)
     k, v = torch.randn(sum(lens), num_kv_heads, head_dim), torch.randn(sum(lens), num_kv_heads, head_dim)
     backend = TorchSDPABackend(BS)
-    backend.onednn_attention = True
+    backend.onednn_attention = torch.float32
     out = backend.forward(q, k, v, None, view, head_dim**-0.5)
-    assert sorted(calls) == sorted(n for n in lens if n >= onednn_attention.MIN_KEYS)
+    assert sorted(calls) == sorted(n for n in lens if n >= onednn_attention.MIN_LENGTH)
     reference = torch.cat([naive_attention(q[s : s + n], k[s : s + n], v[s : s + n], head_dim**-0.5)
                            for s, n in zip(starts, lens)])
     torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+def test_long_prefill_attention_in_bf16_stays_close():
+    """The int8 engines' bf16 matmuls (fp32 sums and softmax): within bf16's rounding of the fp64 result."""
+    from encdec_engine.attention.ops import onednn_attention
+
+    torch.manual_seed(6)
+    q, k, v = torch.randn(700, 4, 32), torch.randn(700, 2, 32), torch.randn(700, 2, 32)
+    out = torch.empty_like(q)
+    onednn_attention.attend(q, k, v, 32**-0.5, out, torch.bfloat16)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), naive_attention(q, k, v, 32**-0.5), rtol=0.0, atol=2e-2)

@@ -344,3 +344,16 @@ def float_weight(module: nn.Module) -> torch.Tensor:
         bias = 0 if module.bias is None else module.bias
         return (module(eye) - bias).t().contiguous()
     return module.weight.detach()
+
+
+def test_long_prefill_attention_follows_the_precision(make_llm):
+    """Where the fp32 linears run on oneDNN, so does the encoder's long attention: fp32 for an fp32 engine
+    (parity), bf16 matmuls for an int8 one where oneDNN has native bf16."""
+    from encdec_engine.attention.ops import onednn_attention
+    from encdec_engine.worker.cpu_kernels import machine_plan
+
+    on = machine_plan(int8=False).fp32 == "onednn"
+    fp32 = make_llm(default_model_path()).engine.runner.backend.onednn_attention
+    int8 = make_llm(default_model_path(), quantization="int8").engine.runner.backend.onednn_attention
+    assert fp32 == (torch.float32 if on else None)
+    assert int8 == ((torch.bfloat16 if onednn_attention.bf16_supported() else torch.float32) if on else None)

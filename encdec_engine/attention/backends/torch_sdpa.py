@@ -124,9 +124,9 @@ class TorchSDPABackend:
         self.block_size = block_size
         self.head_major = HeadMajorContexts(block_size)
         self.self_rows = SelfRows(block_size)
-        # Long bidirectional prefill attention through oneDNN matmuls (ops/onednn_attention.py); the loader
-        # turns it on where the machine's fp32 linears run on oneDNN.
-        self.onednn_attention = False
+        # Long bidirectional prefill attention through oneDNN matmuls in this dtype (ops/onednn_attention.py);
+        # None: off. The loader turns it on where the machine's fp32 linears run on oneDNN.
+        self.onednn_attention: torch.dtype | None = None
 
     def blocks_written(self, blocks: list[int]) -> None:
         """The cache engine moved or copied K/V into these blocks."""
@@ -214,12 +214,13 @@ class TorchSDPABackend:
                 fresh = view.plan if isinstance(view.plan, FreshPlan) else FreshPlan()
                 mask = fresh.bias_block(position_bias, q_len, k_len, view.causal, query)
             causal = view.causal and mask is None
-            if self.onednn_attention and mask is None and not view.causal and onednn_attention.applies(query, k_len):
+            if (self.onednn_attention is not None and mask is None and not view.causal
+                    and onednn_attention.applies(query, q_len, k_len)):
                 for i in seqs:
                     onednn_attention.attend(query[q_loc[i] : q_loc[i + 1]], key[k_loc[i] : k_loc[i] + k_len],
                                             value[k_loc[i] : k_loc[i] + k_len],
                                             query.shape[-1] ** -0.5 if scale is None else scale,
-                                            out[q_loc[i] : q_loc[i + 1]])
+                                            out[q_loc[i] : q_loc[i + 1]], self.onednn_attention)
                 continue
             if len(seqs) == 1:
                 i = seqs[0]

@@ -17,15 +17,21 @@ near the core. Measured on a 2-core AMD EPYC (Zen 5, AVX-512), fp32, ms per call
 
 The results differ from flash attention's only in summation order (~4e-7 at these sizes). It
 runs where the machine's fp32 linears run on oneDNN (`worker/cpu_kernels.py`; on an AVX2-only
-machine MKL and oneDNN are about even and flash attention stays), for sequences of at least
-`MIN_KEYS` keys, without a mask or a position bias.
+machine MKL and oneDNN are about even and flash attention stays), for at least `MIN_LENGTH`
+queries over at least as many keys, without a mask or a position bias. (A decoder prompt's few
+queries over a cross context stay on flash attention: for them, the transposed copies of the
+keys and values cost more than the matmuls save.)
+
+With `quantization="int8"` (weights and activations already rounded to 8 bits), and where oneDNN
+multiplies bf16 natively (AVX-512 BF16), the two matmuls take bf16 operands (queries, keys, the
+probabilities, values; sums and the softmax stay fp32): 1.8x the fp32 matmuls' speed per block.
 """
 
 from __future__ import annotations
 
 import torch
 
-MIN_KEYS = 512  # below this the two are about even
+MIN_LENGTH = 512  # queries and keys; below this the two are about even
 QUERY_ROWS = 384  # query rows per matmul: their scores stay near the core
 
 
@@ -34,23 +40,32 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-def applies(query: torch.Tensor, key_len: int) -> bool:
-    return query.device.type == "cpu" and query.dtype == torch.float32 and key_len >= MIN_KEYS
+def applies(query: torch.Tensor, query_len: int, key_len: int) -> bool:
+    return (query.device.type == "cpu" and query.dtype == torch.float32
+            and min(query_len, key_len) >= MIN_LENGTH)
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+def bf16_supported() -> bool:
+    """Whether oneDNN multiplies bf16 natively here (AVX-512 BF16 or AMX), not by emulation."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return check is not None and bool(check())
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, out: torch.Tensor,
+           dtype: torch.dtype = torch.float32) -> None:
     """out[t, h] = softmax(scale * query[t, h] . key[:, h']) @ value[:, h'] for one sequence, every query
     attending to every key (h' = h // (heads / kv_heads): grouped-query heads share their K/V head).
 
     query, out: [q_len, heads, head_dim]; key, value: [k_len, kv_heads, head_dim] (token-major, any strides).
+    `dtype` bfloat16 multiplies in bf16 (fp32 sums, softmax in fp32): see the module doc.
     """
     heads, kv_heads = query.shape[1], key.shape[1]
     group = heads // kv_heads
-    q = (query if scale == 1.0 else query * scale).transpose(0, 1).contiguous()  # [H, q, D]
-    k = key.transpose(0, 1).contiguous()  # [Hkv, k, D]: each head's keys as a weight
-    v_t = value.permute(1, 2, 0).contiguous()  # [Hkv, D, k]
+    q = (query if scale == 1.0 else query * scale).transpose(0, 1).to(dtype).contiguous()  # [H, q, D]
+    k = key.transpose(0, 1).to(dtype).contiguous()  # [Hkv, k, D]: each head's keys as a weight
+    v_t = value.transpose(0, 1).to(dtype).contiguous().transpose(1, 2).contiguous()  # [Hkv, D, k] (2.3x one permute)
     for h in range(heads):
         for start in range(0, q.shape[1], QUERY_ROWS):
-            scores = _matmul(q[h, start:start + QUERY_ROWS], k[h // group])
+            scores = _matmul(q[h, start:start + QUERY_ROWS], k[h // group]).float()
             torch.softmax(scores, dim=-1, out=scores)
-            out[start:start + QUERY_ROWS, h] = _matmul(scores, v_t[h // group])
+            out[start:start + QUERY_ROWS, h] = _matmul(scores.to(dtype), v_t[h // group])
