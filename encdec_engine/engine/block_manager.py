@@ -96,13 +96,13 @@ class BlockAllocator:
         fragmented, the first n."""
         if n > len(self._free):
             raise RuntimeError("out of KV cache blocks")
-        oldest = list(itertools.islice(self._free, n))
-        if oldest and max(oldest) - min(oldest) == n - 1 and not any(b in self._hash_of for b in oldest):  # one run
-            return [self._take(b) for b in sorted(oldest)]
+        first = list(itertools.islice(self._free, n))
+        if first and max(first) - min(first) == n - 1 and not any(b in self._hash_of for b in first):  # one run
+            return [self._take(b) for b in sorted(first)]
         free = np.sort(np.fromiter(self._free, dtype=np.int64, count=len(self._free)))
         starts = np.flatnonzero(free[n - 1 :] - free[: len(free) - n + 1] == n - 1)  # runs free[i : i + n]
         if not len(starts):
-            return [self._take(b) for b in oldest]
+            return [self._take(b) for b in first]
         cached = np.isin(free, np.fromiter(self._hash_of, dtype=np.int64, count=len(self._hash_of)))
         counts = np.concatenate([[0], np.cumsum(cached)])
         i = int(starts[np.argmin(counts[starts + n] - counts[starts])])

@@ -1,4 +1,4 @@
-"""Long bidirectional attention of one sequence through oneDNN matmuls (CPU, fp32): Whisper's encoder.
+"""Long bidirectional attention of one sequence through oneDNN matmuls (CPU): Whisper's encoder.
 
 torch's CPU flash attention multiplies its blocks with MKL's sgemm, and MKL keeps AMD CPUs on its
 AVX2 kernels (the reason the fp32 linears are packed for oneDNN, layers/linear.py). Here each head's
