@@ -27,19 +27,21 @@ def step():
     torch.empty(16 * 2**20).fill_(1.0)  # 64 MB: above glibc's largest mmap threshold
 for _ in range(12):  # glibc's heap settles: the first frees leave holes a same-size request cannot reuse
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
-    def page_faults(mode: str) -> int:
+    def steps_faulting_in_their_tensor(mode: str) -> int:
         done = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        return int(done.stdout.strip())
+        pages = 64 * 2**20 // 4096
+        return sum(int(faults) > pages // 2 for faults in done.stdout.split())
 
-    pages = 3 * 64 * 2**20 // 4096
-    assert page_faults("keep") < pages // 10
-    assert page_faults("system") > pages // 2
+    # The heap may still move once (an allocation of torch's own between steps can take the hole a
+    # tensor was freed into): one step of eight, on CI's machine, faulted its tensor in anew.
+    assert steps_faulting_in_their_tensor("keep") <= 2
+    assert steps_faulting_in_their_tensor("system") == 8
 
 
 @pytest.mark.parametrize("value", ["0", "off", "false"])
