@@ -21,6 +21,11 @@ torch.set_num_threads(2)
 # One fp32 linear kernel in every process (subprocesses and Ray workers inherit it): a calibrated choice
 # may differ between processes on a busy machine, and the random models' near-ties then decode apart.
 os.environ.setdefault("ENCDEC_CPU_LINEAR", "default")
+# Likewise the int8 kernel of the linears with outliers in their inputs: rows wherever it sums exactly.
+if "ENCDEC_INT8_OUTLIERS" not in os.environ:
+    from encdec_engine.quantization.int8_weights import int_mm_is_exact  # noqa: E402
+
+    os.environ["ENCDEC_INT8_OUTLIERS"] = "rows" if int_mm_is_exact() else "fp32"
 
 # Three BART shapes (models/configs/bart.json) so nothing is special-cased: odd head counts, tiny
 # vocab, different layer counts, scaled embeddings, untied output embeddings.

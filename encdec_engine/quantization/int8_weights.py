@@ -17,11 +17,19 @@ Two of torch's CPU int8 kernels multiply them (`worker/cpu_kernels.py` picks per
     int8pack   `torch._weight_int8pack_mm`: weight-only int8, fp32 activations. Vectorized for
                AVX-512 only; there it may beat fbgemm on decode rows (few rows: memory bound).
 
+and a third the linears whose inputs have outliers (`RowScaledInt8Weight`, below):
+
+    rows       each row of the activations quantized to 8 bits with a scale of its own, an int8 x
+               int8 GEMM with int32 sums (`torch._int_mm`, oneDNN), both scales applied after.
+
 One activation scale over a whole batch lets its loudest input set every input's step: 44
 clips transcribed as one batch (66,000 encoder rows in one call) gave the fp32 tokens on 26
 clips and 9.8% WER against fp32's 9.1%; with 512-row chunks, 39 clips and 8.2% (128 and 256
 rows: the same). Within a chunk a row's result still depends slightly on the rows beside it;
-fp32 keeps the engine's batch invariance, int8 trades it for speed.
+fp32 keeps the engine's batch invariance, int8 trades it for speed. With a scale per row (the
+`rows` kernel) a row's result depends on that row alone, and one loud position costs only its own
+row its precision: Whisper's encoder fc2, whose input (the GELU of 1,500 positions) reaches 556
+where most values are below 1, ran in fp32 beside fbgemm's blocks; it runs here.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Collection
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 
 import torch
 from torch import nn
@@ -154,13 +162,81 @@ class Int8Weight:
         return one * (2 if self.q is not None else 1) + extra
 
 
-class Int8Linear(nn.Module):
-    """An `nn.Linear` whose weight lives only as int8 with per-channel scales (inference only)."""
+_ROW_CHUNK = 2048  # rows quantized and multiplied at a time: a Whisper window's 1,500 in one go
 
-    def __init__(self, linear: nn.Linear, **kernel) -> None:
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, in] float -> (q: [rows, in] int8, scale: [rows, 1] float32) with x ~= q * scale, one
+    symmetric scale per row (an all-zero row gets scale 1 and q = 0)."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    return torch.round(x / scale).to(torch.int8), scale
+
+
+@cache
+def int_mm_is_exact() -> bool:
+    """Whether `torch._int_mm` sums full-range int8 products exactly on this machine. oneDNN's int8
+    kernels on CPUs without VNNI may add pairs of products in 16 bits, which saturate for inputs
+    using all 8 bits; the `rows` kernel is only used where this holds."""
+    if not hasattr(torch, "_int_mm"):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(-INT8_MAX, INT8_MAX + 1, (32, 512), dtype=torch.int8, generator=generator)
+    b = torch.randint(-INT8_MAX, INT8_MAX + 1, (512, 64), dtype=torch.int8, generator=generator)
+    a[0], b[:, 0] = INT8_MAX, INT8_MAX  # the largest pair sums there are
+    a[1], b[:, 1] = -INT8_MAX, -INT8_MAX
+    try:
+        return torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
+    except RuntimeError:
+        return False
+
+
+class RowScaledInt8Weight:
+    """An int8 [out, in] weight (per-channel scales, + float bias) for inputs with outliers: x's rows
+    are quantized to 8 bits one scale each (`quantize_rows`), multiplied with `torch._int_mm` (int32
+    sums), and scaled back by both scales. x: [..., in] -> [..., out] float32."""
+
+    decode_kernel = "rows"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
+            raise ValueError(f"expected an int8 [out, in] weight and [out] scales, got {q.dtype} "
+                             f"{tuple(q.shape)} and {tuple(scale.shape)}")
+        self.out_features, self.in_features = q.shape
+        self.q, self.scale = q.contiguous(), scale.float()
+        self.bias = None if bias is None else bias.detach().float()
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> RowScaledInt8Weight:
+        return cls(*quantize_per_channel(weight), bias)
+
+    def int8_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q, self.scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        out = torch.empty(flat.shape[0], self.out_features)
+        for start in range(0, flat.shape[0], _ROW_CHUNK):
+            rows = slice(start, start + _ROW_CHUNK)
+            q, row_scale = quantize_rows(flat[rows])
+            done = torch._int_mm(q, self.q.t()).float().mul_(row_scale).mul_(self.scale)  # the weight as [in, out]
+            out[rows] = done if self.bias is None else done.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.in_features * self.out_features + 4 * self.out_features * (1 if self.bias is None else 2)
+
+
+class Int8Linear(nn.Module):
+    """An `nn.Linear` whose weight lives only as int8 with per-channel scales (inference only);
+    `rows=True`: activations quantized a row at a time (`RowScaledInt8Weight`)."""
+
+    def __init__(self, linear: nn.Linear, rows: bool = False, **kernel) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_int8 = Int8Weight.quantize(linear.weight, linear.bias, **kernel)
+        self.weight_int8 = RowScaledInt8Weight.quantize(linear.weight, linear.bias) if rows \
+            else Int8Weight.quantize(linear.weight, linear.bias, **kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight_int8(x)
@@ -168,7 +244,8 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         w = self.weight_int8
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={w.bias is not None}, "
-                f"int8 per-channel, decode={w.decode_kernel}")
+                f"int8 per-channel, " + ("activations per row" if w.decode_kernel == "rows"
+                                         else f"decode={w.decode_kernel}"))
 
 
 def is_float_cpu(weight: torch.Tensor) -> bool:
@@ -176,7 +253,10 @@ def is_float_cpu(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.is_floating_point()
 
 
-def quantize_linears(model: nn.Module, decode_kernel: str = "fbgemm", keep: Collection[nn.Module] = ()) -> int:
-    """Replace every CPU float `nn.Linear` but those in `keep` with an Int8Linear; returns how many (the
-    float weights go)."""
-    return replace_linears(model, partial(Int8Linear, decode_kernel=decode_kernel), is_float_cpu, keep)
+def quantize_linears(model: nn.Module, decode_kernel: str = "fbgemm", keep: Collection[nn.Module] = (),
+                     per_row: Collection[nn.Module] = ()) -> int:
+    """Replace every CPU float `nn.Linear` but those in `keep` with an Int8Linear, those in `per_row`
+    with activations quantized a row at a time; returns how many (the float weights go)."""
+    rows = replace_linears(model, partial(Int8Linear, rows=True), is_float_cpu,
+                           [m for m in model.modules() if type(m) is nn.Linear and not any(m is r for r in per_row)])
+    return rows + replace_linears(model, partial(Int8Linear, decode_kernel=decode_kernel), is_float_cpu, keep)

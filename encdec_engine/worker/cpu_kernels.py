@@ -16,6 +16,11 @@ kernels without timing them again; `ENCDEC_RECALIBRATE=1` times them anew (and k
     int8   fbgemm's dynamic int8 x int8 for every row count; on AVX-512 the weight-only
            `_weight_int8pack_mm` for decode rows if the calibration finds it faster there
            (below AVX-512 torch has no vectorized kernel for it: 10-100x slower than fbgemm).
+           The linears a model names as having outliers in their inputs (Whisper's encoder fc2)
+           take int8 with a scale per activation row ("rows", `RowScaledInt8Weight`) where
+           `torch._int_mm` sums exactly (checked once: without VNNI oneDNN may saturate) and
+           the calibration does not find the fp32 kernel `MARGIN` faster on a 256-row batch
+           through such a layer; fp32 otherwise (`ENCDEC_INT8_OUTLIERS=rows|fp32` pins one).
 
 The choice is logged once per process. `choose_fp32` and `choose_int8_decode` are pure, so a
 test can give them any capability and timings.
@@ -41,7 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec_engine.cache import cache_root
-from encdec_engine.quantization.int8_weights import Int8Weight, fbgemm_available, is_float_cpu, quantize_linears
+from encdec_engine.quantization.int8_weights import (Int8Weight, RowScaledInt8Weight, fbgemm_available, int_mm_is_exact,
+                                                     is_float_cpu, quantize_linears)
 from encdec_engine.layers.linear import PackedWeight, onednn_packing_available, pack_linears, packs
 
 logger = logging.getLogger(__name__)
@@ -51,6 +57,7 @@ MARGIN = 0.10  # an alternative must beat the capability's default by this much 
 # (name, rows, in_features, out_features, repetitions): shapes a model runs, each probe ~10-50 ms.
 PROBES = (("decode", 1, 768, 3072, 20), ("batch", 256, 768, 3072, 3), ("vocab", 1, 384, 51864, 3))
 _INT8_DECODE_PROBES = ("decode", "vocab")
+OUTLIER_PROBES = (("ffn_out", 256, 3072, 768, 3),)  # a batch through an FFN's second linear
 
 
 def is_avx512(capability: str) -> bool:
@@ -84,6 +91,13 @@ def choose_int8_decode(capability: str, timings: dict[str, float]) -> str:
     if not is_avx512(capability):
         return "fbgemm"
     return _pick("fbgemm", "int8pack", timings, list(_INT8_DECODE_PROBES))
+
+
+def choose_int8_outliers(exact: bool, timings: dict[str, float]) -> str:
+    """"rows" or "fp32" for the linears whose inputs have outliers (`exact`: `torch._int_mm` sums exactly)."""
+    if not exact:
+        return "fp32"
+    return _pick("rows", "fp32", timings, [p[0] for p in OUTLIER_PROBES])
 
 
 def _time(fn: Callable[[], torch.Tensor], reps: int) -> float:
@@ -184,6 +198,7 @@ class CpuLinearPlan:
     int8_decode: str | None = None  # "fbgemm" or "int8pack"; None: no int8 weights
     timings: dict[str, float] = field(default_factory=dict, compare=False)  # calibration, seconds
     calibration_file: Path | None = field(default=None, compare=False)  # where the timings were kept, if not timed now
+    int8_outliers: str | None = None  # "rows" or "fp32": the linears with outliers in their inputs
 
     def describe(self) -> str:
         if self.int8_decode is None:
@@ -191,6 +206,8 @@ class CpuLinearPlan:
         else:
             decode = "weight-only _weight_int8pack_mm" if self.int8_decode == "int8pack" else "fbgemm"
             what = f"int8 linears (per-channel scales) through fbgemm dynamic int8, decode rows through {decode}"
+            what += (", linears with input outliers int8 with a scale per row (torch._int_mm)"
+                     if self.int8_outliers == "rows" else ", linears with input outliers in fp32")
         probes = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.timings.items())
         source = f" in an earlier process, kept in {self.calibration_file}" if self.calibration_file else ""
         return f"CPU {self.capability}: {what}" + (f" (calibrated{source}: {probes})" if probes else "")
@@ -208,7 +225,19 @@ def machine_plan(int8: bool) -> CpuLinearPlan:
         timings, source = calibrate_once({"fbgemm": _int8("fbgemm"), "int8pack": _int8("int8pack")},
                                          tuple(p for p in PROBES if p[0] in _INT8_DECODE_PROBES)) \
             if is_avx512(capability) else ({}, None)
-        plan = CpuLinearPlan(capability, "mkl", choose_int8_decode(capability, timings), timings, source)
+        exact = int_mm_is_exact()
+        pinned = os.environ.get("ENCDEC_INT8_OUTLIERS", "").lower()  # the same kernel in every process
+        if pinned not in ("", "rows", "fp32"):
+            raise ValueError(f"ENCDEC_INT8_OUTLIERS={pinned!r}: use rows or fp32")
+        if pinned == "rows" and not exact:
+            raise ValueError("ENCDEC_INT8_OUTLIERS=rows: torch._int_mm does not sum int8 products exactly here")
+        if exact and not pinned:
+            fp32 = PackedWeight if machine_plan(int8=False).fp32 == "onednn" else _plain
+            outlier_timings, outlier_source = calibrate_once({"rows": RowScaledInt8Weight.quantize, "fp32": fp32},
+                                                             OUTLIER_PROBES)
+            timings, source = {**timings, **outlier_timings}, source or outlier_source
+        plan = CpuLinearPlan(capability, "mkl", choose_int8_decode(capability, timings), timings, source,
+                             int8_outliers=pinned or choose_int8_outliers(exact, timings))
     else:
         pinned = os.environ.get("ENCDEC_CPU_LINEAR", "").lower()  # the same kernel in every process
         if pinned not in ("", "default", "mkl", "onednn"):
@@ -237,11 +266,12 @@ def prepare_cpu_linears(model: nn.Module, quantization: str | None) -> CpuLinear
     projection = getattr(model, "vocab_projection", None)
     if quantization == "int8":
         plan = machine_plan(int8=True)
-        # The linears a model keeps in float (their inputs have outliers that 8-bit activations lose) run
-        # on this machine's fp32 kernel.
-        keep = list(getattr(model, "float_linears_under_int8", list)())
-        quantize_linears(model, plan.int8_decode, keep)
-        if keep and machine_plan(int8=False).fp32 == "onednn":
+        # The linears whose inputs have outliers (that one 8-bit scale over a block of rows loses): int8
+        # with a scale per row, or this machine's fp32 kernel.
+        outliers = list(getattr(model, "linears_with_outlier_inputs", list)())
+        rows = outliers if plan.int8_outliers == "rows" else []
+        quantize_linears(model, plan.int8_decode, keep=outliers, per_row=rows)
+        if outliers and not rows and machine_plan(int8=False).fp32 == "onednn":
             pack_linears(model)
         if projection is not None:
             projection.use(partial(Int8Weight.quantize, decode_kernel=plan.int8_decode), is_float_cpu)

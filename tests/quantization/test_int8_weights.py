@@ -17,9 +17,10 @@ from torch import nn
 from encdec_engine import SamplingParams
 from encdec_engine.config import EngineConfig
 from encdec_engine.worker import cpu_kernels
-from encdec_engine.worker.cpu_kernels import CpuLinearPlan, choose_fp32, choose_int8_decode
-from encdec_engine.quantization.int8_weights import (ACTIVATION_ROWS, Int8Linear, Int8Weight, fbgemm_available,
-                                              quantize_per_channel)
+from encdec_engine.worker.cpu_kernels import CpuLinearPlan, choose_fp32, choose_int8_decode, choose_int8_outliers
+from encdec_engine.quantization.int8_weights import (ACTIVATION_ROWS, Int8Linear, Int8Weight, RowScaledInt8Weight,
+                                                     fbgemm_available, int_mm_is_exact, quantize_per_channel,
+                                                     quantize_rows)
 from encdec_engine.layers.linear import PackedLinear, VocabProjection
 from encdec_engine.checkpoints.ct2_format import read_ct2_variables
 from encdec_engine.checkpoints.ct2_import import default_model_path, import_ct2_whisper
@@ -90,6 +91,43 @@ def test_a_loud_row_sets_the_activation_step_of_its_chunk_only():
     assert not torch.equal(loud_out[1:ACTIVATION_ROWS], quiet_out[1:ACTIVATION_ROWS])
 
 
+def test_rows_are_quantized_each_to_its_own_step():
+    x = torch.tensor([[0.5, -1.0, 0.25], [556.0, 0.1, -0.2], [0.0, 0.0, 0.0]])
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.int8 and scale.shape == (3, 1)
+    assert q[0].tolist() == [64, -127, 32] and q[1, 0] == 127 and (q[2] == 0).all() and scale[2] == 1
+    assert ((q.float() * scale - x).abs() <= scale / 2 + 1e-7).all()
+
+
+needs_int_mm = pytest.mark.skipif(not int_mm_is_exact(), reason="torch._int_mm does not sum int8 exactly here")
+
+
+@needs_int_mm
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (2, 3, 48), (300, 48), (4500, 48)])  # 4,500 rows: three chunks
+def test_row_scaled_int8_linear_is_each_rows_own_product(shape, bias):
+    """Each row is rounded to 8 bits on its own step: the error bound is the row's, and a row's result is
+    the same bits whatever rows are beside it (a loud one costs no other row its precision)."""
+    torch.manual_seed(4)
+    linear = nn.Linear(48, 80, bias=bias)
+    q, scale = quantize_per_channel(linear.weight)
+    x = torch.randn(shape) * torch.rand(*shape[:-1], 1) * 10
+    layer = Int8Linear(linear, rows=True)
+    got = layer(x)
+    expected = F.linear(x, q.float() * scale[:, None], linear.bias)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    flat = x.reshape(-1, 48)
+    step = flat.abs().amax(1, keepdim=True) / 127  # [rows, 1]
+    bound = (step / 2) * (q.float() * scale[:, None]).abs().sum(1)[None, :] + 1e-4  # [rows, out]
+    assert ((got.reshape(-1, 80) - expected.reshape(-1, 80)).abs() <= bound).all()
+    loud = flat.clone()
+    loud[0] *= 1000
+    assert torch.equal(layer(loud)[1:], got.reshape(-1, 80)[1:])
+    assert torch.equal(layer(flat[-1:]), got.reshape(-1, 80)[-1:])  # alone: the same bits
+    assert "activations per row" in repr(layer)
+    assert torch.equal(layer.weight_int8.int8_values()[0], q)
+
+
 def test_int8_weight_keeps_the_values_it_was_given():
     q = torch.randint(-127, 128, (32, 16), dtype=torch.int8)
     scale = torch.rand(32) + 0.01
@@ -143,6 +181,14 @@ def test_int8_decode_choice_takes_the_weight_only_kernel_only_where_it_is_vector
     slow_pack = timings(fbgemm__decode=0.1, int8pack__decode=1.0, fbgemm__vocab=2.7, int8pack__vocab=36)
     assert choose_int8_decode("AVX512", slow_pack) == "fbgemm"
     assert choose_int8_decode("AVX512", {}) == "fbgemm"
+
+
+def test_outlier_linears_take_row_scales_only_where_int_mm_is_exact_and_not_clearly_slower():
+    assert choose_int8_outliers(False, timings(rows__ffn_out=0.1, fp32__ffn_out=10)) == "fp32"  # would saturate
+    assert choose_int8_outliers(True, timings(rows__ffn_out=1.2, fp32__ffn_out=2.4)) == "rows"  # Zen 5, measured
+    assert choose_int8_outliers(True, timings(rows__ffn_out=1.2, fp32__ffn_out=1.2)) == "rows"
+    assert choose_int8_outliers(True, timings(rows__ffn_out=3.0, fp32__ffn_out=2.0)) == "fp32"
+    assert choose_int8_outliers(True, {}) == "rows"
 
 
 def test_calibration_times_every_kernel_on_every_probe():
@@ -203,6 +249,8 @@ def test_plan_describes_what_runs():
     assert "AVX512" in text and "_weight_int8pack_mm" in text and "fbgemm/decode 0.10 ms" in text
     kept = CpuLinearPlan("AVX2", "onednn", None, {"mkl/decode": 1e-4}, Path("/c/cpu_kernels.json")).describe()
     assert "oneDNN" in kept and "kept in /c/cpu_kernels.json" in kept
+    assert "a scale per row" in CpuLinearPlan("AVX512", "mkl", "fbgemm", int8_outliers="rows").describe()
+    assert "outliers in fp32" in CpuLinearPlan("AVX2", "mkl", "fbgemm", int8_outliers="fp32").describe()
 
 
 def test_int8_config_is_validated():
@@ -234,13 +282,17 @@ def test_ct2_int8_export_imports_without_a_second_rounding(tmp_path, make_llm):
         if ours.endswith("self_attn.qkv_proj"):  # the q rows carry the query scaling, 1/8 (fold_query_scaling)
             expected[:384] *= 0.125
         torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0)
-    # every linear but the encoder's fc2 (kept in float: Whisper.float_linears_under_int8): 3 per encoder
-    # layer, 7 per decoder layer; the kept ones hold CTranslate2's int8 values times their scales
-    assert sum(isinstance(m, Int8Linear) for m in modules.values()) == 4 * 3 + 4 * 7
-    kept = float_weight(modules["encoder.layers.2.fc2"])
+    # every linear but the encoder's fc2 (Whisper.linears_with_outlier_inputs: int8 with a scale per row, or
+    # float): 3 per encoder layer, 7 per decoder layer; fc2 holds CTranslate2's int8 values (times their scales)
+    rows = cpu_kernels.machine_plan(int8=True).int8_outliers == "rows"
+    assert sum(isinstance(m, Int8Linear) for m in modules.values()) == 4 * (3 + rows) + 4 * 7
     fc2 = "encoder/layer_2/ffn/linear_1"
     q, ct2_scale = variables[f"{fc2}/weight"], variables[f"{fc2}/weight_scale"]
-    assert torch.equal(torch.round(kept * ct2_scale[:, None]).to(torch.int8), q)
+    kept = modules["encoder.layers.2.fc2"]
+    if rows:
+        assert torch.equal(kept.weight_int8.int8_values()[0], q)
+    else:
+        assert torch.equal(torch.round(float_weight(kept) * ct2_scale[:, None]).to(torch.int8), q)
     head = Int8Weight.quantize(model.decoder.embed_tokens.weight)  # the tied logits projection
     assert torch.equal(head.int8_values()[0], variables["decoder/projection/weight"])
 
@@ -260,9 +312,12 @@ def test_int8_weights_agree_with_fp32_on_the_clips(make_llm, fp32_results):
     differing in case, one in a word, WER 6.7% against fp32's 8.0%)."""
     llm = make_llm(default_model_path(), quantization="int8")
     model = llm.engine.model
-    kept = model.float_linears_under_int8()
+    outliers = model.linears_with_outlier_inputs()
+    rows = cpu_kernels.machine_plan(int8=True).int8_outliers == "rows"
     linears = [m for m in model.modules() if type(m) in (nn.Linear, PackedLinear, Int8Linear)]
-    assert kept and all(isinstance(m, Int8Linear) != any(m is k for k in kept) for m in linears)
+    assert outliers and all(isinstance(m, Int8Linear) == (rows or not any(m is k for k in outliers)) for m in linears)
+    assert all((m.weight_int8.decode_kernel == "rows") == any(m is k for k in outliers)
+               for m in linears if isinstance(m, Int8Linear))
     results = llm.transcribe([AUDIO / n for n in SHORT_CLIPS], **EXACT)
     got, ref = [r.segments[0].tokens for r in results], [r.segments[0].tokens for r in fp32_results]
     assert sum(a == b for a, b in zip(got, ref)) >= 4
@@ -334,6 +389,23 @@ def test_the_fp32_kernel_can_be_pinned_for_every_process(monkeypatch):
     cpu_kernels.machine_plan.cache_clear()
     with pytest.raises(ValueError, match="ENCDEC_CPU_LINEAR='fastest'"):
         cpu_kernels.machine_plan(False)
+    cpu_kernels.machine_plan.cache_clear()
+
+
+def test_the_outlier_kernel_can_be_pinned(monkeypatch):
+    from encdec_engine.worker import cpu_kernels
+
+    monkeypatch.setenv("ENCDEC_INT8_OUTLIERS", "fp32")
+    cpu_kernels.machine_plan.cache_clear()
+    assert cpu_kernels.machine_plan(True).int8_outliers == "fp32"
+    if int_mm_is_exact():
+        monkeypatch.setenv("ENCDEC_INT8_OUTLIERS", "rows")
+        cpu_kernels.machine_plan.cache_clear()
+        assert cpu_kernels.machine_plan(True).int8_outliers == "rows"
+    monkeypatch.setenv("ENCDEC_INT8_OUTLIERS", "int4")
+    cpu_kernels.machine_plan.cache_clear()
+    with pytest.raises(ValueError, match="ENCDEC_INT8_OUTLIERS='int4'"):
+        cpu_kernels.machine_plan(True)
     cpu_kernels.machine_plan.cache_clear()
 
 
