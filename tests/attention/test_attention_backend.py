@@ -6,6 +6,7 @@ import torch
 from helpers import make_view, naive_attention
 
 from encdec_engine.attention.backends.base import store_kv
+from encdec_engine.attention.backends.cpu_copies import HEAD_MAJOR_BUDGET
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.attention.backends.xformers_masks import prefill_attn_bias
 from encdec_engine.attention.metadata import AttentionMetadata
@@ -416,3 +417,16 @@ def test_long_prefill_attention_in_bf16_stays_close():
     onednn_attention.attend(q, k, v, 32**-0.5, out, torch.bfloat16)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), naive_attention(q, k, v, 32**-0.5), rtol=0.0, atol=2e-2)
+
+
+def test_the_engine_gives_head_major_copies_room_for_every_cross_context_its_pool_holds(bart_path, make_llm):
+    """Beyond the copies' budget a cross context is read from the pool on its own, two matmuls a layer: the
+    budget is what the pool would take in fp32, so a full pool of cross contexts never gets there."""
+    from encdec_engine.worker.cache_engine import bytes_per_block
+
+    llm = make_llm(bart_path, kv_cache_space_gb=1.0)  # above the budget's 256 MB floor
+    engine = llm.engine
+    pool_fp32 = engine.kv_pool.num_blocks * bytes_per_block(engine.model.kv_cache_spec, engine.block_manager.block_size,
+                                                            torch.float32)
+    assert pool_fp32 > 2 * HEAD_MAJOR_BUDGET
+    assert engine.runner.backend.head_major.budget >= pool_fp32

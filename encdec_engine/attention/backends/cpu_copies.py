@@ -7,7 +7,7 @@ batch at every layer. Two kinds of copies instead, each read with one matmul a l
     HeadMajorContexts   cross contexts (written once, at prefill), batched in slabs by padded length
     SelfRows            the decoding sequences' self contexts, one row each, grown by each step's K/V
 
-Both hold at most `budget` bytes (the engine sets half of what the KV pool would take in fp32) and
+Both hold at most `budget` bytes (the engine sets what the KV pool would take in fp32) and
 are dropped when their blocks are written by others, when their sequences stop decoding, and when
 the engine goes idle.
 """
