@@ -5,15 +5,16 @@ AVX2 kernels (the reason the fp32 linears are packed for oneDNN, layers/linear.p
 keys are a linear's weight: a block of queries times them is one oneDNN matmul (AVX-512), the
 softmax runs in place over that block of scores, and the probabilities times the head's transposed
 values is a second matmul. A block of 384 query rows keeps its scores (384 x 1,500 fp32, 2.3 MB)
-near the core. Measured on a 2-core AMD EPYC (Zen 5, AVX-512), fp32, ms per call, against
-`F.scaled_dot_product_attention` (the flash kernel torch picks):
+near the core. `scripts/bench_attention.py` on a 2-core AMD EPYC (Zen 5, AVX-512), ms per call
+(operands token-major, as the engine holds them, and cold), against `F.scaled_dot_product_attention`
+(the flash kernel torch picks) on the same views:
 
-    heads x positions x head_dim   flash    here
-    12 x 1,500 x 64 (small)         37.2    26.8
-    20 x 1,500 x 64 (turbo)         59.6    45.4
-     6 x 1,500 x 64 (tiny)          17.2    11.9
-    12 x 512 x 64                    4.4     3.4
-    12 x 256 x 64                    1.2     1.1
+    heads x positions x head_dim   flash    fp32    bf16 (int8 engines)
+    12 x 1,500 x 64 (small)         58.9    26.7    21.7
+    20 x 1,500 x 64 (turbo)         97.0    44.0    36.5
+     6 x 1,500 x 64 (tiny)          28.9    12.9    10.5
+    12 x 512 x 64                    6.7     4.7     4.0
+    12 x 256 x 64                    1.7     1.6     1.4
 
 The results differ from flash attention's only in summation order (~4e-7 at these sizes). It
 runs where the machine's fp32 linears run on oneDNN (`worker/cpu_kernels.py`; on an AVX2-only
@@ -24,7 +25,8 @@ keys and values cost more than the matmuls save.)
 
 With `quantization="int8"` (weights and activations already rounded to 8 bits), and where oneDNN
 multiplies bf16 natively (AVX-512 BF16), the two matmuls take bf16 operands (queries, keys, the
-probabilities, values; sums and the softmax stay fp32): 1.8x the fp32 matmuls' speed per block.
+probabilities, values; sums and the softmax stay fp32): the matmuls run 1.8x faster, the whole
+call 1.2x (largest difference from fp64 4e-3 against fp32's 4e-7, in the table's shapes).
 """
 
 from __future__ import annotations
