@@ -355,14 +355,13 @@ class TorchSDPABackend:
     def _read_slab(scaled, read: SlabRead, out, num_kv_heads: int, group: int, head_dim: int) -> None:
         """Attend the readers of a slab's contexts, into their rows of `out`."""
         count, n = read.keys.shape[0], read.readers
-        # [count, Hkv, n * G, D]: each context's readers' queries, head by head
+        # [count, Hkv, D, n * G]: each context's readers' queries, head by head, as columns
         q = scaled.index_select(0, read.rows).view(count, n, num_kv_heads, group, head_dim)
-        q = q.transpose(1, 2).reshape(count, num_kv_heads, n * group, head_dim)
-        scores = torch.matmul(q, read.keys)  # [count, Hkv, n * G, Lc]
-        scores += read.mask
+        q = q.permute(0, 2, 4, 1, 3).reshape(count, num_kv_heads, head_dim, n * group)
+        scores = torch.matmul(read.keys, q).transpose(-1, -2) + read.mask  # [count, Hkv, n * G, Lc]
         probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, read.values)  # [count, Hkv, n * G, D]
-        o = o.view(count, num_kv_heads, n, group, head_dim).transpose(1, 2).reshape(count * n, -1, head_dim)
+        o = torch.matmul(read.values, probs.transpose(-1, -2))  # [count, Hkv, D, n * G]
+        o = o.view(count, num_kv_heads, head_dim, n, group).permute(0, 3, 1, 4, 2).reshape(count * n, -1, head_dim)
         out.index_copy_(0, read.rows, o)
 
 
