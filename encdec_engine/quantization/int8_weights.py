@@ -258,8 +258,9 @@ def is_float_cpu(weight: torch.Tensor) -> bool:
 
 def quantize_linears(model: nn.Module, decode_kernel: str = "fbgemm", keep: Collection[nn.Module] = (),
                      per_row: Collection[nn.Module] = ()) -> int:
-    """Replace every CPU float `nn.Linear` but those in `keep` with an Int8Linear, those in `per_row`
-    with activations quantized a row at a time; returns how many (the float weights go)."""
-    rows = replace_linears(model, partial(Int8Linear, rows=True), is_float_cpu,
-                           [m for m in model.modules() if type(m) is nn.Linear and not any(m is r for r in per_row)])
+    """Replace every CPU float `nn.Linear` but those in `keep` with an Int8Linear (those in `per_row` with
+    activations quantized a row at a time); returns how many (the float weights go)."""
+    row_weights = [m.weight for m in per_row]
+    rows = replace_linears(model, partial(Int8Linear, rows=True),
+                           lambda w: is_float_cpu(w) and any(w is r for r in row_weights))
     return rows + replace_linears(model, partial(Int8Linear, decode_kernel=decode_kernel), is_float_cpu, keep)

@@ -269,10 +269,12 @@ def prepare_cpu_linears(model: nn.Module, quantization: str | None) -> CpuLinear
         # The linears whose inputs have outliers (that one 8-bit scale over a block of rows loses): int8
         # with a scale per row, or this machine's fp32 kernel.
         outliers = list(getattr(model, "linears_with_outlier_inputs", list)())
-        rows = outliers if plan.int8_outliers == "rows" else []
-        quantize_linears(model, plan.int8_decode, keep=outliers, per_row=rows)
-        if outliers and not rows and machine_plan(int8=False).fp32 == "onednn":
-            pack_linears(model)
+        if plan.int8_outliers == "rows":
+            quantize_linears(model, plan.int8_decode, per_row=outliers)
+        else:
+            quantize_linears(model, plan.int8_decode, keep=outliers)
+            if outliers and machine_plan(int8=False).fp32 == "onednn":
+                pack_linears(model)
         if projection is not None:
             projection.use(partial(Int8Weight.quantize, decode_kernel=plan.int8_decode), is_float_cpu)
         return plan

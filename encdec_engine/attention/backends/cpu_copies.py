@@ -57,12 +57,12 @@ class SlabRead:
 class HeadMajorContexts:
     """Head-major fp32 copies of the cross contexts that decode steps read (fp32 or int8 pools; int8
     rows dequantized once here instead of at every step), batched by length: keys as [Hkv, L, D] and
-    values as [Hkv, D, L], each head's rows contiguous (a step's few queries are then the narrow side of
-    both products, keys @ q and values @ p, which read the copies at 44 GB/s against 34 GB/s for
-    q @ [D, L] keys and p @ [L, D] values: 8 small-shape contexts, 2.15 -> 1.68 ms a layer). The paged layout [L, Hkv, D] makes every
-    head's matmul stride over the other heads; at one query per step that read is memory bound,
-    and on the AVX2 EPYC the copies cut a tiny.en step's four 1,500-position cross reads from about
-    2.2 ms to 1.0 ms. Contexts whose lengths round up to the same multiple of `LENGTH_STEP` (read by
+    values as [Hkv, D, L], each head's rows contiguous. A step's few queries are then the narrow side of
+    both products (keys @ q, values @ p), which read the copies at 44 GB/s against 34 GB/s for
+    q @ [D, L] keys and p @ [L, D] values (8 small-shape contexts: 2.15 -> 1.68 ms a layer). The paged
+    layout [L, Hkv, D] makes every head's matmul stride over the other heads; at one query per step
+    that read is memory bound, and on the AVX2 EPYC the copies cut a tiny.en step's four
+    1,500-position cross reads from about 2.2 ms to 1.0 ms. Contexts whose lengths round up to the same multiple of `LENGTH_STEP` (read by
     the same number of sequences) share a slab, a padded batch read with one matmul per step instead of
     one per context: 256 Marian-base requests with 16..256 source tokens took 6.6 ms a layer in one
     loop over contexts, 4.7 ms in slabs of lengths rounded to 32 (memory bound; the batches run on
