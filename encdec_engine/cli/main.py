@@ -18,8 +18,9 @@ from contextlib import nullcontext
 from typing import NoReturn
 
 from encdec_engine import __version__
+from encdec_engine.cli import args as args_module
 from encdec_engine.cli.args import (HelpFormatter, Parser, add_engine_args, check_engine_args, engine_kwargs,
-                                                error, normalize_argv, resolve_model)
+                                                error, loading, normalize_argv, resolve_model)
 from encdec_engine.cli.transcribe import add_transcribe_parser
 from encdec_engine.cli.ray import add_ray_args, ray_command, split_ray_address
 from encdec_engine.distributed.cluster import RayNotInstalled
@@ -32,10 +33,11 @@ from encdec_engine.sampling_params import SamplingParams
 
 
 def _llm(args):
-    from encdec_engine.llm import LLM  # lazy: torch and the engine (1.2 s), once the arguments are good
-
     check_engine_args(args)
-    return LLM(model=resolve_model(args), **engine_kwargs(args))
+    with loading():
+        from encdec_engine.llm import LLM  # lazy: torch and the engine (1.2 s), once the arguments are good
+
+        return LLM(model=resolve_model(args), **engine_kwargs(args))
 
 
 def cmd_generate(args) -> int:
@@ -158,6 +160,7 @@ def run() -> NoReturn:
     teardown (its files are closed by then; Python's and C's stdout and stderr and logging are
     flushed here). Under a profiler or a tracer (cProfile, coverage) it exits the usual way, so
     that they write their results."""
+    args_module.FREEZE_LOADED = True  # the process ends with its command: what that loads is never garbage
     code, one_shot = _main(None)
     code = 0 if code is None else code
     if not one_shot or sys.getprofile() is not None or sys.gettrace() is not None:

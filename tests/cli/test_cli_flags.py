@@ -232,3 +232,30 @@ def test_an_empty_file_and_a_bad_choice_are_one_line_each(no_engine, tmp_path, c
     assert capsys.readouterr().err.splitlines() == [
         "error: encdec transcribe: argument --output-format/-f: invalid choice: 'docx' (choose from 'txt', 'vtt', "
         "'srt', 'tsv', 'json', 'all') (see encdec transcribe --help)"]
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_loading_pauses_the_collector_and_restores_it_even_when_the_load_fails(monkeypatch, freeze):
+    """`loading` (around every command's model load) turns Python's cyclic collector off and back on,
+    also when the load raises; only the `encdec` program (FREEZE_LOADED) freezes what was loaded."""
+    import gc
+
+    from encdec_engine.cli import args as cli_args
+
+    monkeypatch.setattr(cli_args, "FREEZE_LOADED", freeze)
+    frozen = gc.get_freeze_count()
+    try:
+        with pytest.raises(OSError), cli_args.loading():
+            assert not gc.isenabled()
+            loaded = [[] for _ in range(1000)]  # noqa: F841 (tracked objects that a freeze moves)
+            raise OSError("the checkpoint is unreadable")
+        assert gc.isenabled()
+        assert (gc.get_freeze_count() > frozen) == freeze
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    gc.disable()
+    with cli_args.loading():
+        pass
+    assert not gc.isenabled()  # a collector that was off stays off
+    gc.enable()
