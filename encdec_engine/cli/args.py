@@ -1,7 +1,8 @@
 """Argument plumbing shared by the `encdec` commands: value types, the help layout, openai-whisper's
 spellings, and the engine options every command takes.
 
-Nothing here imports torch or the engine: `encdec --help` and argument errors stay instant.
+Nothing here imports torch or the engine until `load_llm` runs: `encdec --help` and argument errors stay
+instant.
 
 openai-whisper's CLI spells flags with underscores and gives booleans a value (`--word_timestamps
 True`). Both are accepted: `normalize_argv` rewrites `--word_timestamps True` to `--word-timestamps`
@@ -215,6 +216,15 @@ def loading() -> Iterator[None]:
             gc.freeze()
         if enabled:
             gc.enable()
+
+
+def load_llm(args: argparse.Namespace, model: str | None = None, **overrides):
+    """The command's LLM (the checkpoint `--model` names unless `model` is given; `overrides` replace
+    engine_kwargs), torch and the engine imported lazily, all of it while `loading`."""
+    with loading():
+        from encdec_engine.llm import LLM  # lazy: torch and the engine (1.2 s), once the arguments are good
+
+        return LLM(model=model or resolve_model(args), **{**engine_kwargs(args), **overrides})
 
 
 def error(message: str) -> None:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from encdec_engine.cli.args import check_engine_args, engine_kwargs, error, loading, resolve_model
+from encdec_engine.cli.args import check_engine_args, error, load_llm
 from encdec_engine.speech.live_events import LiveEvent, TranscriptCompleted, TranscriptDelta, TranscriptFailed
 from encdec_engine.speech.live_options import LiveOptions, TurnDetection
 
@@ -62,10 +62,7 @@ def cmd_live(args: argparse.Namespace) -> int:
         if args.server is not None:
             return _via_server(args, options, chunks, rate, printer)
         check_engine_args(args)
-        with loading():
-            from encdec_engine.llm import LLM  # lazy: torch and the engine (1.2 s), once the flags are good
-
-            llm = LLM(model=resolve_model(args), **engine_kwargs(args))
+        llm = load_llm(args)
         for event in llm.transcribe_live(chunks, rate, language=options.language, task=options.task,
                                          prompt=options.prompt, turn_detection=options.turn_detection):
             printer.live(event)

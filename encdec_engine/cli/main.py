@@ -19,8 +19,8 @@ from typing import NoReturn
 
 from encdec_engine import __version__
 from encdec_engine.cli import args as args_module
-from encdec_engine.cli.args import (HelpFormatter, Parser, add_engine_args, check_engine_args, engine_kwargs,
-                                                error, loading, normalize_argv, resolve_model)
+from encdec_engine.cli.args import (HelpFormatter, Parser, add_engine_args, check_engine_args, error, load_llm,
+                                   normalize_argv)
 from encdec_engine.cli.transcribe import add_transcribe_parser
 from encdec_engine.cli.ray import add_ray_args, ray_command, split_ray_address
 from encdec_engine.distributed.cluster import RayNotInstalled
@@ -34,10 +34,7 @@ from encdec_engine.sampling_params import SamplingParams
 
 def _llm(args):
     check_engine_args(args)
-    with loading():
-        from encdec_engine.llm import LLM  # lazy: torch and the engine (1.2 s), once the arguments are good
-
-        return LLM(model=resolve_model(args), **engine_kwargs(args))
+    return load_llm(args)
 
 
 def cmd_generate(args) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encdec_engine.checkpoints.names import is_english_only
-from encdec_engine.cli.args import check_engine_args, engine_kwargs, error, loading, resolve_model
+from encdec_engine.cli.args import check_engine_args, error, load_llm, loading, resolve_model
 from encdec_engine.cli.live import cmd_live
 from encdec_engine.speech.subtitles import SubtitleOptions
 from encdec_engine.cli.transcribe_args import (add_transcribe_args, subtitle_options, temperatures,
@@ -158,17 +158,15 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
         error(f"no readable audio file among {len(args.audio)}")
         return 1
     check_language_for_model(args, None, plan.options.language, plan.options.task)  # a .en name: before anything
-    with loading():
+    with loading():  # resolving the model may import torch already
         model = resolve_model(args)
         check_language_for_model(args, model, plan.options.language, plan.options.task)
         plan.output_dir.mkdir(parents=True, exist_ok=True)
+        llm = load_llm(args, model, dtype=transcribe_dtype(args))  # after the files were checked
+    from tqdm.auto import tqdm
 
-        from tqdm.auto import tqdm
+    from encdec_engine.speech.offline import stream_transcriptions  # lazy: imported with the engine
 
-        from encdec_engine.llm import LLM  # lazy: torch and the engine (1.2 s), after the files were checked
-        from encdec_engine.speech.offline import stream_transcriptions  # lazy: likewise
-
-        llm = LLM(model=model, **dict(engine_kwargs(args), dtype=transcribe_dtype(args)))
     logging.getLogger(__name__).info("%s", llm.engine.describe())
     failed, written = dict(plan.bad), 0
     several = len(plan.files) > 1

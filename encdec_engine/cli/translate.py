@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from encdec_engine.cli.args import (HelpFormatter, add_engine_args, check_engine_args, engine_kwargs, loading,
-                                    resolve_model)
+from encdec_engine.cli.args import HelpFormatter, add_engine_args, check_engine_args, load_llm
 from encdec_engine.files import write_atomically
 from encdec_engine.inputs.documents import MAX_DOCUMENT_BYTES, read_document
 
@@ -46,10 +45,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     check_engine_args(args)
     if args.output_dir is not None:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    with loading():
-        from encdec_engine.llm import LLM  # lazy: torch and the engine (1.2 s), once the arguments are good
-
-        llm = LLM(model=resolve_model(args), **engine_kwargs(args))
+    llm = load_llm(args)
     lines = [doc.splitlines() for doc in documents]
     texts = [line for doc in lines for line in doc if line.strip()]
     overrides = {k: v for k, v in (("max_tokens", args.max_tokens), ("num_beams", args.num_beams)) if v is not None}
