@@ -62,9 +62,9 @@ class HeadMajorContexts:
     q @ [D, L] keys and p @ [L, D] values (8 small-shape contexts: 2.15 -> 1.68 ms a layer). The paged
     layout [L, Hkv, D] makes every head's matmul stride over the other heads; at one query per step
     that read is memory bound, and on the AVX2 EPYC the copies cut a tiny.en step's four
-    1,500-position cross reads from about 2.2 ms to 1.0 ms. Contexts whose lengths round up to the same multiple of `LENGTH_STEP` (read by
-    the same number of sequences) share a slab, a padded batch read with one matmul per step instead of
-    one per context: 256 Marian-base requests with 16..256 source tokens took 6.6 ms a layer in one
+    1,500-position cross reads from about 2.2 ms to 1.0 ms. Contexts whose lengths round up to the
+    same multiple of `LENGTH_STEP` (read by the same number of sequences) share a slab, a padded batch
+    read with one matmul per step instead of one per context: 256 Marian-base requests with 16..256 source tokens took 6.6 ms a layer in one
     loop over contexts, 4.7 ms in slabs of lengths rounded to 32 (memory bound; the batches run on
     every thread).
     A cross context is written once, at its request's prefill, so a copy made at its first decode
