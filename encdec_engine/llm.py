@@ -182,6 +182,10 @@ class LLM:
         `overrides` replace SamplingParams fields."""
         if isinstance(texts, str):
             texts = [texts]
+        model_type = getattr(self.engine.hf_config, "model_type", None)
+        if model_type == "whisper" or not self.engine.input_processor.is_encoder_decoder:
+            raise ValueError(f"{model_type} models do not summarize text; summarize serves the encoder/decoder "
+                             "text models (BART, mBART, Marian, M2M100, T5, mT5); use generate with your own prompts")
         params = summarization_params(self.engine, **overrides)
         tok = self.engine.tokenizer
         if tok is None:

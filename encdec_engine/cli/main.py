@@ -28,7 +28,7 @@ from encdec_engine.checkpoints.names import resolve
 from encdec_engine.cli.serve import add_serve_parser
 from encdec_engine.cli.translate import add_translate_parser
 from encdec_engine.inputs.documents import MAX_DOCUMENT_BYTES, read_document
-from encdec_engine.inputs.prompt_files import load_prompt_file
+from encdec_engine.inputs.prompt_files import load_prompts_with_params
 from encdec_engine.sampling_params import SamplingParams
 
 
@@ -38,10 +38,10 @@ def _llm(args):
 
 
 def cmd_generate(args) -> int:
-    entries = load_prompt_file(args.prompts)
     base = dict(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k,
                 seed=args.seed)
-    params = [SamplingParams(**{**base, **overrides}) for _, overrides in entries]
+    entries = load_prompts_with_params(args.prompts, base)  # a bad line fails before the model loads
+    params = [SamplingParams(**p) for _, p in entries]
     outs = _llm(args).generate([p for p, _ in entries], params, use_tqdm=not args.quiet)
     with open(args.output, "w") if args.output else nullcontext(sys.stdout) as sink:
         for out in outs:

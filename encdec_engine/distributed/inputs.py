@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from encdec_engine.inputs.prompt_files import load_prompt_file
-from encdec_engine.sampling_params import SamplingParams
+from encdec_engine.inputs.prompt_files import load_prompts_with_params
 
 # What a folder given as a transcription input contributes (librosa reads more; name those directly).
 AUDIO_EXTENSIONS = frozenset({".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac", ".webm", ".mp4", ".wma",
@@ -99,14 +98,8 @@ def text_inputs(specs: Iterable[str] = (), manifest: str | Path | None = None) -
 def prompt_inputs(prompt_file: str | Path, base_params: dict[str, Any]) -> list[JobInput]:
     """The inputs of a generation job: each prompt with its sampling parameters (the run's, updated by
     the line's "sampling_params"), checked here so a bad line fails the job before any work."""
-    items = []
-    for i, (prompt, overrides) in enumerate(load_prompt_file(prompt_file)):
-        params = {**base_params, **overrides}
-        try:
-            SamplingParams(**params)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{prompt_file}: prompt {i}: sampling_params: {e}") from None
-        items.append(JobInput(str(i), {"prompt": prompt, "params": params}, None, f"{prompt_file}:{i}"))
+    items = [JobInput(str(i), {"prompt": prompt, "params": params}, None, f"{prompt_file}:{i}")
+             for i, (prompt, params) in enumerate(load_prompts_with_params(prompt_file, base_params))]
     return _checked(items)
 
 

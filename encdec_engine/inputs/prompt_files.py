@@ -15,10 +15,38 @@ from typing import Any
 
 def load_prompt_file(path: str | Path) -> list[tuple[Any, dict[str, Any]]]:
     """[(prompt, sampling-param overrides)] for every non-blank line of a JSONL file."""
+    return [(value, overrides) for _, value, overrides in _entries(path)]
+
+
+def load_prompts_with_params(path: str | Path, base: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """[(prompt, its sampling parameters: `base` updated by the line's overrides)] for every non-blank line,
+    each checked by building its SamplingParams: an unknown field or a bad value is a ValueError naming
+    the file, the prompt (0-based, blank lines not counted) and its line."""
+    from encdec_engine.sampling_params import SamplingParams
+
+    entries = []
+    for i, (lineno, value, overrides) in enumerate(_entries(path)):
+        params = {**base, **overrides}
+        try:
+            SamplingParams(**params)
+        except TypeError as e:  # an unknown field: the dataclass's "unexpected keyword argument 'x'"
+            raise ValueError(f"{path}:{lineno}: prompt {i}: sampling_params: {_unknown_field(e)}") from None
+        except ValueError as e:
+            raise ValueError(f"{path}:{lineno}: prompt {i}: sampling_params: {e}") from None
+        entries.append((value, params))
+    return entries
+
+
+def _unknown_field(error: TypeError) -> str:
+    name = str(error).rsplit("argument", 1)[-1].strip(" '\"")
+    return f"unknown field {name!r}" if "unexpected keyword" in str(error) else str(error)
+
+
+def _entries(path: str | Path):
+    """(line number, prompt, overrides) for every non-blank line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
-    entries = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -32,5 +60,4 @@ def load_prompt_file(path: str | Path) -> list[tuple[Any, dict[str, Any]]]:
             overrides = value.pop("sampling_params", None) or {}
             if not isinstance(overrides, dict):
                 raise ValueError(f"{path}:{lineno}: sampling_params must be an object")
-        entries.append((value, overrides))
-    return entries
+        yield lineno, value, overrides

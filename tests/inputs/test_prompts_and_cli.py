@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from encdec_engine import SamplingParams
-from encdec_engine.inputs.prompt_files import load_prompt_file
+from encdec_engine.inputs.prompt_files import load_prompt_file, load_prompts_with_params
 from encdec_engine.inputs.prompts import parse_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +41,27 @@ def test_prompt_file_errors(tmp_path):
         load_prompt_file(bad)
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_prompt_file(tmp_path / "missing.jsonl")
+
+
+def test_prompt_file_sampling_params_errors_name_the_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('"one"\n\n{"prompt": "two", "sampling_params": {"bogus": 1}}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:3: prompt 1: sampling_params: unknown field 'bogus'"):
+        load_prompts_with_params(path, {"max_tokens": 4})
+    path.write_text('{"prompt": "x", "sampling_params": {"num_beams": 2, "temperature": 0.7}}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:1: prompt 0: sampling_params: .*beam search"):
+        load_prompts_with_params(path, {})
+    path.write_text('"one"\n{"prompt": "two", "sampling_params": {"max_tokens": 3}}\n')
+    assert load_prompts_with_params(path, {"max_tokens": 8, "seed": None}) == [
+        ("one", {"max_tokens": 8, "seed": None}), ({"prompt": "two"}, {"max_tokens": 3, "seed": None})]
+
+
+def test_summarize_refuses_whisper_with_one_line(make_llm):
+    from encdec_engine.checkpoints.ct2_import import default_model_path
+
+    llm = make_llm(default_model_path(), kv_cache_space_gb=0.1)
+    with pytest.raises(ValueError, match="whisper models do not summarize text"):
+        llm.summarize(["Some notes."])
 
 
 def run_cli(*args):
