@@ -108,7 +108,11 @@ def _choice(st: ServerState, body: P.CompletionRequest, index: int, text: str, t
     lp = None
     if body.logprobs is not None and logprobs is not None:
         tok = st.engine.engine.tokenizer
-        lp = P.completion_logprobs(token_ids, logprobs, (lambda t: tok.decode([t])) if tok else str, offset)
+        if tok is None:
+            lp = P.completion_logprobs(token_ids, logprobs, str, offset)
+        else:
+            lp = P.completion_logprobs(token_ids, logprobs, lambda t: tok.decode([t]), offset,
+                                       lambda t: tok.decode([t], skip_special_tokens=True))
     return P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish_reason)
 
 

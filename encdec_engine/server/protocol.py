@@ -322,11 +322,14 @@ def usage_of(outputs: list[RequestOutput]) -> Usage:
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], decode: Callable[[int], str],
-                        text_offset: int = 0) -> CompletionLogprobs:
+                        text_offset: int = 0, text_of: Callable[[int], str] | None = None) -> CompletionLogprobs:
     """The engine's per-token {token_id: logprob} (sampled token + top-k) in OpenAI's layout. JSON has
     no -inf or NaN: such a log-probability (a banned token, degenerate sampling values) is -9999.0, as
-    vLLM sends it."""
+    vLLM sends it. Each token is shown as `decode` writes it (special tokens included); its text offset
+    advances by what it adds to the completion's text (`text_of`: special tokens, which the text skips,
+    add nothing)."""
     lp = CompletionLogprobs()
+    text_of = text_of or decode
     for token, top in zip(token_ids, logprobs):
         piece = decode(token)
         lp.tokens.append(piece)
@@ -336,7 +339,7 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], 
             ranked.setdefault(decode(t), _json_logprob(v))  # that decode alike (partial UTF-8) keep the likeliest
         lp.top_logprobs.append(ranked)
         lp.text_offset.append(text_offset)
-        text_offset += len(piece)
+        text_offset += len(text_of(token))
     return lp
 
 

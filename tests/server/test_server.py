@@ -660,6 +660,19 @@ def test_top_logprobs_rank_likeliest_first_and_keep_it_on_equal_text():
     assert lp.token_logprobs == [-0.1]
 
 
+def test_text_offsets_skip_special_tokens_the_text_does_not_hold():
+    """A forced language code or BOS shows in `tokens` but adds nothing to the text: the next token's offset
+    stays where the text starts (it counted the code's characters before)."""
+    from encdec_engine.server.protocol import completion_logprobs
+
+    shown = {5: "deu_Latn", 6: "port", 7: "s"}
+    in_text = {5: "", 6: "port", 7: "s"}
+    lp = completion_logprobs([5, 6, 7], [{5: 0.0}, {6: -0.5}, {7: -0.2}], shown.__getitem__, 3,
+                             in_text.__getitem__)
+    assert lp.tokens == ["deu_Latn", "port", "s"]
+    assert lp.text_offset == [3, 3, 7]
+
+
 # -- memory held by transcriptions (issue 14: bounded resources) ----------------------------
 def test_an_upload_holds_the_audio_budget_only_for_the_bytes_it_sent(whisper_server):
     """A client still sending a 1.9 MB body holds what it has sent, not its Content-Length (an earlier main
