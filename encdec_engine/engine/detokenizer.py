@@ -4,7 +4,9 @@ Decoding tokens one by one breaks multi-byte characters and merges spaces
 differently, so (like vLLM) we keep a small window of already-emitted tokens
 (`prefix_offset:read_offset`) and emit the difference between decoding the
 window with and without the new tokens, holding back text that ends in an
-incomplete character.
+incomplete character. When the sequence ends, what is held is written out (`flush`), so the final
+text is transformers' `decode` of the tokens: a character cut off by the token limit ends in U+FFFD
+there too.
 """
 
 from __future__ import annotations
@@ -38,5 +40,18 @@ class Detokenizer:
         delta = full[len(prefix) :]
         seq.prefix_offset = seq.read_offset
         seq.read_offset = len(seq.tokens)
+        seq.output_text += delta
+        return delta
+
+    def flush(self, seq: Sequence) -> str:
+        """The sequence has ended: append the text held back for an incomplete character; return it."""
+        if not seq.tokens or seq.read_offset >= len(seq.tokens):
+            return ""
+        prefix = self._to_string(seq.tokens[seq.prefix_offset : seq.read_offset])
+        full = self._to_string(seq.tokens[seq.prefix_offset :])
+        if len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix) :]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.tokens)
         seq.output_text += delta
         return delta

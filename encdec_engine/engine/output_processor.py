@@ -136,12 +136,17 @@ class OutputProcessor:
                 seq.stop_reason = None if token in sampling.eos_token_ids else token
                 if delta and not params.include_stop_str_in_output:  # vLLM: the stop token's text is left out
                     seq.output_text = seq.output_text[: -len(delta)]
+                elif (self.detokenizer is not None and params.skip_special_tokens
+                      and token in self.detokenizer.special_ids):  # a special token, not in the text, ended it
+                    self.detokenizer.flush(seq)
                 return
             if params.stop and delta and _hit_stop_string(seq, params.stop, params.include_stop_str_in_output,
                                                           len(delta)):
                 return
         if len(seq) >= group.max_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            if self.detokenizer is not None:
+                self.detokenizer.flush(seq)
 
     # -- outputs ---------------------------------------------------------------
     def output(self, group: SequenceGroup) -> RequestOutput:

@@ -148,6 +148,17 @@ def test_incremental_text_equals_full_decode_and_logprobs(llm):
         assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
 
 
+def test_final_text_keeps_a_character_cut_off_by_the_token_limit(llm):
+    """Tokens that end inside a multi-byte character: the incremental text holds them back while more could
+    complete it, and the finished text is transformers' decode, U+FFFD included (it was dropped)."""
+    tok = llm.get_tokenizer()
+    partial = next(i for i in range(len(tok)) if tok.decode([i]) == "\ufffd")  # one byte of a longer character
+    out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=2, allowed_token_ids=[partial]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == [partial, partial]
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True) and out.text.endswith("\ufffd")
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("n", 2.0, "must be an integer"), ("max_tokens", 2.5, "must be an integer"), ("top_k", 2.5, "must be an integer"),
     ("temperature", float("nan"), "finite"), ("repetition_penalty", float("inf"), "finite"),
