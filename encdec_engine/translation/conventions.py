@@ -48,6 +48,10 @@ class Convention:
     def request(self, source: str | None, target: str) -> TranslationRequest:
         raise NotImplementedError
 
+    def target_ids(self, text: str) -> list[int]:
+        """A target-language text's tokens, without special tokens: the prefix of a decoder prompt."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     def _unknown(self, what: str, code: str, known: list[str]) -> ValueError:
         shown = ", ".join(sorted(known)[:40]) + (f" ... ({len(known)} in all)" if len(known) > 40 else "")
         return ValueError(f"{what} {code!r} is not a language this {self.family} model translates; "
@@ -83,6 +87,10 @@ class TargetToken(Convention):
                 raise ValueError(f"{what} {code!r}: this Marian model translates {self.tokenizer.source_lang} to "
                                  f"{self.tokenizer.target_lang} only")
         return TranslationRequest("", (), (), None, {})
+
+    def target_ids(self, text: str) -> list[int]:
+        """In the target vocabulary, where the model has its own (transformers' `text_target`)."""
+        return self.tokenizer(text_target=text, add_special_tokens=False)["input_ids"]
 
     def _target_token(self, code: str, tokens: list[str]) -> str:
         candidates = [code]

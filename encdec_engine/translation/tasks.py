@@ -40,14 +40,31 @@ class Translator:
                 "decoder_prompt": {"prompt_token_ids": [self.engine.input_processor.decoder_start_token_id]}}
 
     def translation_prompt(self, request: TranslationRequest, prompt: str | dict) -> str | dict:
-        """A completion prompt with its text encoder prompt told the languages (token ids are taken as they
-        are; an explicit decoder prompt stays, None takes the default)."""
+        """A completion prompt told the languages: a text prompt, or an explicit prompt's text encoder
+        prompt, gets them as `prompt` does; an explicit text decoder prompt is a prefix of the translation
+        for the model to continue (`decoder_prefix`). Token ids are taken as they are; no decoder prompt
+        takes the default."""
         if isinstance(prompt, str):
             return self.prompt(request, prompt)
-        if "encoder_prompt" in prompt and isinstance(prompt["encoder_prompt"], str):
-            ids = request.encoder_ids(self.engine.tokenizer, prompt["encoder_prompt"])
-            return {**prompt, "encoder_prompt": {"prompt_token_ids": ids}}
+        if "encoder_prompt" not in prompt:
+            return prompt
+        prompt = dict(prompt)
+        encoder_text = _text_of(prompt["encoder_prompt"])
+        if encoder_text is not None:
+            prompt["encoder_prompt"] = {"prompt_token_ids": request.encoder_ids(self.engine.tokenizer, encoder_text)}
+        decoder_text = _text_of(prompt.get("decoder_prompt"))
+        if decoder_text:
+            prompt["decoder_prompt"] = {"prompt_token_ids": self.decoder_prefix(request, decoder_text)}
         return prompt
+
+    def decoder_prefix(self, request: TranslationRequest, text: str) -> list[int]:
+        """The decoder prompt that continues `text` in the target language: the decoder start, the target's
+        code where the model forces one (what the first step would have forced), then the text's tokens
+        (the target vocabulary's, for Marian) without special tokens, as transformers' `text_target`
+        tokenizes it."""
+        start = self.engine.input_processor.decoder_start_token_id
+        code = request.forced_bos_token_id
+        return [start, *([code] if code is not None and code != start else []), *self.convention.target_ids(text)]
 
     def params(self, request: TranslationRequest, **overrides) -> SamplingParams:
         """The checkpoint's generation config (and the task's settings), the target's code forced first."""
@@ -83,3 +100,12 @@ def summarization_prefix(hf_config) -> str:
     if prefix is None and getattr(hf_config, "model_type", None) in ("t5", "mt5"):
         return T5_SUMMARIZE_PREFIX
     return prefix or ""
+
+
+def _text_of(prompt) -> str | None:
+    """The text of a text prompt (a string or {"prompt": ...}); None for token ids and anything else."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and "prompt_token_ids" not in prompt:
+        return prompt["prompt"]
+    return None

@@ -8,6 +8,7 @@ import pytest
 from servers import KEY, LiveServer
 
 from encdec_engine.server.app import ServerLimits, build_app
+from encdec_engine.translation.tasks import Translator
 
 GREEDY = dict(temperature=0.0, max_tokens=6)
 
@@ -35,6 +36,31 @@ def test_completions_translate_text_and_explicit_prompts(m2m_server, text_model,
     assert explicit.choices[0].text == expected[0]
     chunks = list(client.completions.create(model="m2m", prompt=texts[0], stream=True, extra_body=lang, **GREEDY))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected[0]
+    m2m_server.assert_clean()
+
+
+def test_explicit_text_decoder_prompt_is_a_prefix_in_the_target_language(m2m_server, text_model, make_llm):
+    """With a target_language, an explicit prompt's text decoder prompt is continued as the translation's
+    start: decoder start, the target's code, the prefix's tokens (it was tokenized as a source text, with
+    the source code where the target's belongs, and the target language was silently lost)."""
+    import torch
+    from transformers import AutoModelForSeq2SeqLM
+
+    path = text_model("m2m100")
+    llm = make_llm(path, num_kv_blocks=300)
+    tok, request = llm.engine.tokenizer, Translator(llm.engine).request("en", "fr")
+    source, prefix = "The rain in spain falls mainly.", "La pluie"
+    encoder = request.encoder_ids(tok, source)
+    decoder = [llm.engine.input_processor.decoder_start_token_id, request.forced_bos_token_id,
+               *tok(prefix, add_special_tokens=False)["input_ids"]]
+    got = m2m_server.client().completions.create(
+        model="m2m", prompt={"encoder_prompt": {"prompt": source}, "decoder_prompt": prefix},
+        extra_body={"target_language": "fr", "source_language": "en"}, **GREEDY)
+    hf = AutoModelForSeq2SeqLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([encoder]), decoder_input_ids=torch.tensor([decoder]), do_sample=False,
+                          max_new_tokens=6, min_new_tokens=6, num_beams=1)[0, len(decoder):].tolist()
+    assert got.choices[0].text == tok.decode(ref, skip_special_tokens=True)
     m2m_server.assert_clean()
 
 
