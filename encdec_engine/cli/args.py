@@ -51,6 +51,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but arguments no parser took are refused by the subcommand's parser, so the message
+        names `encdec transcribe`, not `encdec`."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command_parser(self, getattr(parsed, "command", None)).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's default in its help: "(default: X)" unless the help says it already; a default
@@ -62,6 +70,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or unset or not action.option_strings:
             return text
         return text + " (default: %(default)s)"
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The parser of subcommand `command` (whose errors name `encdec transcribe`), else `parser` itself."""
+    return _subparser(parser, [command] if command else []) or parser
 
 
 def _subparser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser | None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from encdec_engine import distributed
 from encdec_engine.checkpoints.names import DEFAULT_MODEL
-from encdec_engine.cli.args import check_engine_args, engine_kwargs, resolve_model
+from encdec_engine.cli.args import check_engine_args, command_parser, engine_kwargs, resolve_model
 from encdec_engine.cli.serve import server_engine_kwargs, server_limits
 from encdec_engine.cli.transcribe_args import subtitle_options, temperatures, transcribe_options
 from encdec_engine.distributed.cluster import import_ray
@@ -73,6 +73,7 @@ def split_ray_address(argv: list[str]) -> list[str]:
 def ray_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Callable | None:
     """The Ray version of the command when `--ray` / `--replicas` asks for it, else None (after
     refusing Ray-only flags); inputs are required either way."""
+    parser = command_parser(parser, args.command)  # its errors name the subcommand
     on_ray = getattr(args, "ray", None) is not None or getattr(args, "replicas", None) is not None
     if not on_ray:
         for name, default in _RAY_ONLY.items():

@@ -234,6 +234,21 @@ def test_an_empty_file_and_a_bad_choice_are_one_line_each(no_engine, tmp_path, c
         "'srt', 'tsv', 'json', 'all') (see encdec transcribe --help)"]
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["transcribe", CLIP, "--bogus"], "error: encdec transcribe: unrecognized arguments: --bogus "
+                                      "(see encdec transcribe --help)"),
+    (["transcribe"], "error: encdec transcribe: the following arguments are required: audio "
+                     "(see encdec transcribe --help)"),
+    (["summarize", "--model", "m"], "error: encdec summarize: the following arguments are required: files "
+                                    "(see encdec summarize --help)"),
+])
+def test_refusals_name_the_subcommand(argv, message, capsys):
+    """They said `encdec: ... (see encdec --help)`, whose help does not list the subcommand's flags."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [message]
+
+
 @pytest.mark.parametrize("freeze", [False, True])
 def test_loading_pauses_the_collector_and_restores_it_even_when_the_load_fails(monkeypatch, freeze):
     """`loading` (around every command's model load) turns Python's cyclic collector off and back on,
