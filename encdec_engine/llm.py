@@ -221,11 +221,17 @@ class LLM:
         translator = self._translator
         request = translator.request(source_language, target_language)
         prompts = []
+        limit = self.engine.input_processor.max_encoder_len
         for i, text in enumerate(texts):
             try:
-                prompts.append(translator.prompt(request, text))
+                prompt = translator.prompt(request, text)
+                length = len(prompt["encoder_prompt"]["prompt_token_ids"])
+                if limit is not None and length > limit:
+                    raise ValueError(f"{length} tokens with the language codes or prefix; this model's encoder "
+                                     f"takes at most {limit}: shorten it or split it")
             except ValueError as e:
                 raise ValueError(f"text {i}: {e}") from None
+            prompts.append(prompt)
         outs = self.generate(prompts, translator.params(request, **overrides), use_tqdm=use_tqdm)
         failed = [f"text {i}: {o.error}" for i, o in enumerate(outs) if o.error is not None]
         if failed:

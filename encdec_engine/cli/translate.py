@@ -9,6 +9,7 @@ file's translation is printed (`== FILE` before each when there are several) or 
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from encdec_engine.cli.args import HelpFormatter, add_engine_args, check_engine_args, load_llm
@@ -48,8 +49,13 @@ def cmd_translate(args: argparse.Namespace) -> int:
     llm = load_llm(args)
     lines = [doc.splitlines() for doc in documents]
     texts = [line for doc in lines for line in doc if line.strip()]
+    where = [f"{name}:{n}" for name, doc in zip(args.files, lines) for n, line in enumerate(doc, 1) if line.strip()]
     overrides = {k: v for k, v in (("max_tokens", args.max_tokens), ("num_beams", args.num_beams)) if v is not None}
-    translated = iter(llm.translate(texts, args.source, args.target, use_tqdm=not args.quiet, **overrides))
+    try:
+        translated = iter(llm.translate(texts, args.source, args.target, use_tqdm=not args.quiet, **overrides))
+    except ValueError as e:  # "text 3: ..." -> the file and line it came from
+        found = re.match(r"text (\d+): (.*)", str(e), re.S)
+        raise (ValueError(f"{where[int(found[1])]}: {found[2]}") if found else e) from None
     for name, doc, output in zip(args.files, lines, outputs):
         text = "\n".join(next(translated) if line.strip() else line for line in doc) + "\n"
         if output is not None:

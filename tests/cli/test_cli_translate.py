@@ -33,3 +33,8 @@ def test_translate_refusals(text_model, tmp_path, capsys):
     assert "missing.txt" in capsys.readouterr().err
     assert main(["translate", str(doc), "--model", str(path), "--to", "tlh", "--quiet"]) == 2
     assert "'tlh' is not a language this mBART-50 model translates" in capsys.readouterr().err
+    long = tmp_path / "long.txt"
+    long.write_text("Hello\n\n" + "word " * 900 + "\n", encoding="utf-8")
+    assert main(["translate", str(doc), str(long), "--model", str(path), "--to", "de", "--quiet"]) == 2
+    err = capsys.readouterr().err  # the file and line, not "prompt 1" and a Python-only option
+    assert err.startswith(f"error: {long}:3: ") and "this model's encoder takes at most" in err
