@@ -43,6 +43,20 @@ class RequestOutput:
     # raised, or the step that ran it failed. Only this request (or that step's batch) is affected.
     error: str | None = None
 
+    def record(self) -> dict:
+        """The JSON record `encdec generate` (and its Ray job) writes: the first completion's text, token ids
+        and finish reason, every completion under "outputs" when there are several (n > 1), and "error"
+        when the request failed."""
+        first = self.outputs[0]
+        record = {"request_id": self.request_id, "text": first.text, "token_ids": list(first.token_ids),
+                  "finish_reason": first.finish_reason}
+        if len(self.outputs) > 1:
+            record["outputs"] = [{"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+                                 for c in self.outputs]
+        if self.error is not None:
+            record["error"] = self.error
+        return record
+
     @property
     def no_speech_prob(self) -> float | None:
         return None if self.probes is None else self.probes.no_speech_prob

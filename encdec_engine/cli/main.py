@@ -41,17 +41,15 @@ def cmd_generate(args) -> int:
     base = dict(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k,
                 seed=args.seed)
     entries = load_prompts_with_params(args.prompts, base)  # a bad line fails before the model loads
+    if not entries:
+        raise ValueError(f"{args.prompts}: no prompts (every line is blank)")
     params = [SamplingParams(**p) for _, p in entries]
     outs = _llm(args).generate([p for p, _ in entries], params, use_tqdm=not args.quiet)
     with open(args.output, "w") if args.output else nullcontext(sys.stdout) as sink:
         for out in outs:
-            c = out.outputs[0]
-            record = {"request_id": out.request_id, "text": c.text, "token_ids": c.token_ids,
-                      "finish_reason": c.finish_reason}
             if out.error is not None:  # it failed alone; the others ran to the end
-                record["error"] = out.error
                 print(f"error: prompt {out.request_id} failed: {out.error}", file=sys.stderr)
-            sink.write(json.dumps(record) + "\n")
+            sink.write(json.dumps(out.record()) + "\n")
     return 1 if any(out.error is not None for out in outs) else 0
 
 

@@ -107,7 +107,7 @@ class SummarizeWorker(_Worker):
 
 
 class GenerateWorker(_Worker):
-    """Rows as `encdec generate` writes them: request_id, text, token_ids, finish_reason, error."""
+    """Rows as `encdec generate` writes them (`RequestOutput.record`), with "error" always there."""
 
     def run(self, ids: list[str], payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = [{} for _ in payloads]
@@ -123,9 +123,7 @@ class GenerateWorker(_Worker):
             valid.append((i, p["prompt"], params))
         outs = self.llm.generate([v[1] for v in valid], [v[2] for v in valid], use_tqdm=False) if valid else []
         for (i, _, _), out in zip(valid, outs):
-            c = out.outputs[0]
-            rows[i] = {"request_id": ids[i], "text": c.text, "token_ids": list(c.token_ids),
-                       "finish_reason": c.finish_reason, "error": out.error}
+            rows[i] = {**out.record(), "request_id": ids[i], "error": out.error}
         return rows
 
     @staticmethod

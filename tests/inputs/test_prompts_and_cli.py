@@ -135,6 +135,26 @@ def test_cli_generate_reports_failed_requests_and_exits_1(bart_path, make_llm, m
     assert err.count("failed: the model step running this request failed") == len(records)
 
 
+def test_cli_generate_writes_every_sample_and_refuses_an_empty_file(bart_path, make_llm, monkeypatch, capsys, tmp_path):
+    """With n > 1 every completion is in the record (only the first was written); a file of blank lines is
+    an error (it exited 0 with no output)."""
+    from encdec_engine.cli import main as cli
+
+    llm = make_llm(bart_path, num_kv_blocks=64)
+    monkeypatch.setattr(cli, "_llm", lambda args: llm)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello world", "sampling_params": {"n": 3, "temperature": 1.5, "seed": 0}}\n')
+    assert cli.main(["generate", str(prompts), "--model", str(bart_path), "--max-tokens", "4", "--quiet"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    expected = llm.generate(["hello world"], SamplingParams(n=3, temperature=1.5, seed=0, max_tokens=4),
+                            use_tqdm=False)[0]
+    assert [o["token_ids"] for o in record["outputs"]] == [list(c.token_ids) for c in expected.outputs]
+    assert record["token_ids"] == record["outputs"][0]["token_ids"] and "error" not in record
+    prompts.write_text("\n  \n")
+    assert cli.main(["generate", str(prompts), "--model", str(bart_path), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"error: {prompts}: no prompts (every line is blank)\n"
+
+
 @pytest.mark.integration  # a subprocess of the engine
 def test_encdec_program_leaves_without_teardown_after_a_one_shot_command(tmp_path, monkeypatch):
     """`encdec transcribe` (the console script and `python -m`) ends with os._exit once its files are
