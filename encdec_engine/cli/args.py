@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn
 
 from encdec_engine.checkpoints.names import resolve
@@ -70,6 +71,15 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or unset or not action.option_strings:
             return text
         return text + " (default: %(default)s)"
+
+
+def make_output_dir(path: str | Path) -> None:
+    """Create the `--output-dir` folder (and its parents); one that cannot be made is a ValueError naming
+    the flag and the folder (it was a bare "[Errno 2] No such file or directory")."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output-dir {path}: cannot create it ({e.strerror or e})") from None
 
 
 def command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encdec_engine.checkpoints.names import is_english_only
-from encdec_engine.cli.args import check_engine_args, error, load_llm, loading, resolve_model
+from encdec_engine.cli.args import check_engine_args, error, load_llm, loading, make_output_dir, resolve_model
 from encdec_engine.cli.live import cmd_live
 from encdec_engine.speech.subtitles import SubtitleOptions
 from encdec_engine.cli.transcribe_args import (add_transcribe_args, subtitle_options, temperatures,
@@ -161,7 +161,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     with loading():  # resolving the model may import torch already
         model = resolve_model(args)
         check_language_for_model(args, model, plan.options.language, plan.options.task)
-        plan.output_dir.mkdir(parents=True, exist_ok=True)
+        make_output_dir(plan.output_dir)
         llm = load_llm(args, model, dtype=transcribe_dtype(args))  # after the files were checked
     from tqdm.auto import tqdm
 

@@ -12,7 +12,7 @@ import argparse
 import re
 from pathlib import Path
 
-from encdec_engine.cli.args import HelpFormatter, add_engine_args, check_engine_args, load_llm
+from encdec_engine.cli.args import HelpFormatter, add_engine_args, check_engine_args, load_llm, make_output_dir
 from encdec_engine.files import write_atomically
 from encdec_engine.inputs.documents import MAX_DOCUMENT_BYTES, read_document
 
@@ -45,7 +45,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         raise ValueError("two inputs would write the same translation file; give files of different names")
     check_engine_args(args)
     if args.output_dir is not None:
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        make_output_dir(args.output_dir)
     llm = load_llm(args)
     lines = [doc.splitlines() for doc in documents]
     texts = [line for doc in lines for line in doc if line.strip()]

@@ -234,6 +234,15 @@ def test_an_empty_file_and_a_bad_choice_are_one_line_each(no_engine, tmp_path, c
         "'srt', 'tsv', 'json', 'all') (see encdec transcribe --help)"]
 
 
+def test_an_output_folder_that_cannot_be_made_is_named_before_the_model_loads(no_engine, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where a parent folder would have to be
+    out = blocker / "out"
+    assert main(["transcribe", CLIP, "-o", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err  # it was a bare "[Errno 20] Not a directory: ..."
+    assert err.startswith(f"error: --output-dir {out}: cannot create it (") and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv,message", [
     (["transcribe", CLIP, "--bogus"], "error: encdec transcribe: unrecognized arguments: --bogus "
                                       "(see encdec transcribe --help)"),
