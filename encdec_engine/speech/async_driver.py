@@ -67,7 +67,9 @@ async def transcribe_async(engine: AsyncLLMEngine, transcriber: Transcriber, job
         for owner in ready:
             if owner not in request_ids:
                 base = request_id if owner is job else f"{request_id}-part{owner.part}"
-                request_ids[owner] = (f"{base}-{n}" for n in itertools.count())
+                # Bound now: a generator expression would read `base` at each later next(), by then another
+                # chunk's (two chunks' next windows then shared an id, and the engine refused the second).
+                request_ids[owner] = map(f"{base}-{{}}".format, itertools.count())
             task = asyncio.ensure_future(forward(owner, *transcriber.next_request(owner), next(request_ids[owner])))
             tasks.add(task)
             task.add_done_callback(tasks.discard)

@@ -88,6 +88,27 @@ def test_both_drivers_detect_the_language_once_then_fan_the_chunks_out(tmp_path,
     assert slots.added == len(job.parts) - (0 if multilingual else 1)
 
 
+def test_every_request_of_every_chunk_has_its_own_id(tmp_path, make_llm, monkeypatch):
+    """Each chunk's requests are numbered under its own part: a chunk's later requests (here the fallback
+    to a second temperature, which a log-probability threshold of 0 always asks for) took the last chunk's
+    prefix, so two chunks' second requests shared an id, and the engine refused whichever came second
+    while the other ran (a 400 on the server)."""
+    llm = whisper(tmp_path, make_llm, multilingual=False)
+    engine = llm.engine
+    add, ids = engine.add_processed, []
+
+    def recording_add(request_id, *args):
+        ids.append(request_id)
+        return add(request_id, *args)
+
+    monkeypatch.setattr(engine, "add_processed", recording_add)
+    fallback = TranscribeOptions(chunked=True, clip_timestamps="0,50", temperatures=(0.0, 1.0), logprob_threshold=0.0)
+    _, job, _, _ = run_async(engine, fallback, MEETING)
+    assert len(job.parts) == 2 and len(ids) == 2 * len(job.parts)  # each chunk: two temperatures
+    assert len(set(ids)) == len(ids), ids
+    assert sorted(ids) == [f"t-part{p}-{n}" for p in range(2) for n in range(2)]
+
+
 def test_a_failing_chunk_stops_the_others_and_frees_their_blocks(tmp_path, make_llm, monkeypatch):
     llm = whisper(tmp_path, make_llm, multilingual=False)
     engine = llm.engine
