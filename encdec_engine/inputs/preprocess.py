@@ -19,7 +19,7 @@ import torch
 
 from encdec_engine.inputs.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
 from encdec_engine.inputs.features import log_mel_spectrogram
-from encdec_engine.inputs.prompts import ParsedSingleton, PromptType, parse_prompt
+from encdec_engine.inputs.prompts import ParsedSingleton, PromptType, check_unicode, parse_prompt
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.sequence import EncoderSequence
 
@@ -120,6 +120,7 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError(f"{what}: text prompts need a tokenizer (skip_tokenizer_init=True was set); "
                                  "pass prompt_token_ids instead")
+            check_unicode(prompt.text, what)
             ids = self.tokenizer(prompt.text, add_special_tokens=add_special_tokens)["input_ids"]
             if drop_eos and len(ids) > 1 and ids[-1] == self.eos_token_id:
                 ids = ids[:-1]

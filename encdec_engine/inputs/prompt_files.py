@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from encdec_engine.sampling_params import SamplingParams
+
 
 def load_prompt_file(path: str | Path) -> list[tuple[Any, dict[str, Any]]]:
     """[(prompt, sampling-param overrides)] for every non-blank line of a JSONL file."""
@@ -22,8 +24,6 @@ def load_prompts_with_params(path: str | Path, base: dict[str, Any]) -> list[tup
     """[(prompt, its sampling parameters: `base` updated by the line's overrides)] for every non-blank line,
     each checked by building its SamplingParams: an unknown field or a bad value is a ValueError naming
     the file, the prompt (0-based, blank lines not counted) and its line."""
-    from encdec_engine.sampling_params import SamplingParams
-
     entries = []
     for i, (lineno, value, overrides) in enumerate(_entries(path)):
         params = {**base, **overrides}

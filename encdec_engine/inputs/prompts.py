@@ -55,6 +55,16 @@ class ParsedPrompt:
     explicit: bool  # the user named encoder and decoder prompts
 
 
+def check_unicode(text: str, what: str) -> None:
+    """A ValueError naming `what` if `text` cannot be written as UTF-8 (a lone surrogate, which JSON's
+    "\\ud800" makes): tokenizers fail on it with a TypeError that names nothing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate (U+{ord(text[e.start]):04X}) "
+                         f"at character {e.start}") from None
+
+
 def parse_singleton(prompt: Any, what: str = "prompt") -> ParsedSingleton:
     if isinstance(prompt, str):
         return ParsedSingleton("text", prompt, None, None)

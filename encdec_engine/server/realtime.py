@@ -150,6 +150,12 @@ class RealtimeConnection:
                 self._send(error_event(e.message, e.param, e.code, event_id))
             except LiveError as e:
                 self._send(error_event(str(e), None, e.code, event_id))
+            except Exception:  # the server's fault, not the event's: said, logged, and the session closed
+                logger.exception("realtime session %s: an event failed", self.id)
+                self._send(error_event("the server failed on this event; the session is closed", None,
+                                       "server_error", event_id, "server_error"))
+                self.outbox.put_nowait(INTERNAL_ERROR)
+                return True
             if self.session.buffered_seconds > self.st.limits.max_realtime_buffer_seconds:
                 self._overflow(event_id)
                 return True

@@ -110,6 +110,8 @@ def parse_event(text: str) -> dict:
         event = json.loads(text)
     except ValueError as e:
         raise ProtocolError(f"the message is not JSON: {e}", None, "invalid_json") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise ProtocolError("the message is nested too deeply to be an event", None, "invalid_json") from None
     if not isinstance(event, dict) or not isinstance(event.get("type"), str):
         raise ProtocolError("an event must be a JSON object with a string 'type'", "type", "missing_type")
     return event

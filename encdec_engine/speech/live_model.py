@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
+from encdec_engine.inputs.prompts import check_unicode
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.speech.timestamp_rules import TimestampRules, timestamp_rules_from_generation_config
 
@@ -65,6 +66,7 @@ class LiveModel:
         """A text prompt as tokens (as offline `initial_prompt`), special-token text refused."""
         if not text or not text.strip():
             return []
+        check_unicode(text, "prompt")
         ids = self.tokenizer(" " + text.strip(), add_special_tokens=False)["input_ids"]
         if any(t >= self.tokens.eot for t in ids):
             raise ValueError("prompt contains special-token text (<|...|>); write it without them")

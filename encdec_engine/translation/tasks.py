@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from encdec_engine.checkpoints.generation_config import generation_sampling_params
 from encdec_engine.engine.llm_engine import LLMEngine
+from encdec_engine.inputs.prompts import check_unicode
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.translation.conventions import TranslationRequest, task_settings, translation_convention
 
@@ -35,6 +36,7 @@ class Translator:
         start token alone, as HF's generate starts."""
         if not text.strip():
             raise ValueError("a text to translate is empty")
+        check_unicode(text, "a text to translate")
         ids = request.encoder_ids(self.engine.tokenizer, text)
         return {"encoder_prompt": {"prompt_token_ids": ids},
                 "decoder_prompt": {"prompt_token_ids": [self.engine.input_processor.decoder_start_token_id]}}
@@ -51,6 +53,7 @@ class Translator:
         prompt = dict(prompt)
         encoder_text = _text_of(prompt["encoder_prompt"])
         if encoder_text is not None:
+            check_unicode(encoder_text, "encoder_prompt")
             prompt["encoder_prompt"] = {"prompt_token_ids": request.encoder_ids(self.engine.tokenizer, encoder_text)}
         decoder_text = _text_of(prompt.get("decoder_prompt"))
         if decoder_text:
@@ -62,6 +65,7 @@ class Translator:
         code where the model forces one (what the first step would have forced), then the text's tokens
         (the target vocabulary's, for Marian) without special tokens, as transformers' `text_target`
         tokenizes it."""
+        check_unicode(text, "decoder_prompt")
         start = self.engine.input_processor.decoder_start_token_id
         code = request.forced_bos_token_id
         return [start, *([code] if code is not None and code != start else []), *self.convention.target_ids(text)]

@@ -4,6 +4,7 @@ allocate far more than they send, and errors that show the server's paths."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -254,6 +255,19 @@ def test_one_small_request_cannot_ask_for_gigabytes(bart_server):
         assert r.status_code == 400 and "logprobs" in r.text, r.text
         r = http.post("/v1/completions", json={"prompt": ["word"] * 4, "n": 2, "max_tokens": 8, "logprobs": 5})
         assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text
+    bart_server.assert_clean()
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "\ud800 hi"}, {"prompt": ["fine", "bad \udfff"]},
+    {"prompt": {"encoder_prompt": "fine", "decoder_prompt": "\ud800"}}, {"prompt": "\ud800", "stream": True},
+], ids=["text", "list", "decoder", "stream"])
+def test_a_lone_surrogate_is_a_400_naming_it(bart_server, body):
+    """JSON can carry "\\ud800", which no UTF-8 holds: the tokenizer raised a TypeError, a 500."""
+    with bart_server.http() as http:
+        r = http.post("/v1/completions", content=json.dumps({**body, "max_tokens": 2}),
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
     bart_server.assert_clean()
 
 

@@ -270,3 +270,46 @@ def test_the_api_key_is_needed_on_the_websocket(server):
     with websockets.sync.client.connect(server.url.replace("http", "ws") + "/v1/realtime?intent=transcription",
                                         additional_headers=AUTH) as ws:
         assert '"session.created"' in ws.recv(timeout=10)
+
+
+def test_events_that_broke_the_receiver_get_error_events_and_the_session_lives_on(server):
+    """A message nested thousands deep (RecursionError in the JSON parser) and a prompt with a lone
+    surrogate (TypeError in the tokenizer) ended the session with no error event (close 1006)."""
+    import json
+
+    with websockets.sync.client.connect(server.url.replace("http", "ws") + "/v1/realtime?intent=transcription",
+                                        additional_headers=AUTH) as ws:
+        assert json.loads(ws.recv(timeout=10))["type"] == "session.created"
+        ws.send("[" * 5000 + "]" * 5000)
+        error = json.loads(ws.recv(timeout=10))["error"]
+        assert error["code"] == "invalid_json" and "nested" in error["message"]
+        session = ga_session(None)
+        session["audio"]["input"]["transcription"]["prompt"] = "\ud800"
+        ws.send(json.dumps({"type": "session.update", "session": session}))
+        error = json.loads(ws.recv(timeout=10))["error"]
+        assert error["param"] == "session.audio.input.transcription.prompt" and "lone surrogate" in error["message"]
+        ws.send(json.dumps({"type": "session.update", "session": ga_session(None)}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "session.updated"
+
+
+def test_a_server_fault_on_an_event_is_an_error_event_and_a_1011_close(server, monkeypatch):
+    """Not a silent 1006: the client is told, the fault is logged, and the session's resources go."""
+    import json
+
+    from encdec_engine.server import realtime
+
+    def broken(self, audio):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(realtime.RealtimeConnection, "_append", broken)
+    with websockets.sync.client.connect(server.url.replace("http", "ws") + "/v1/realtime?intent=transcription",
+                                        additional_headers=AUTH) as ws:
+        ws.recv(timeout=10)
+        ws.send(json.dumps({"type": "session.update", "session": ga_session(None)}))
+        ws.recv(timeout=10)
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(b"\0\0" * 2400), "event_id": "e1"}))
+        error = json.loads(ws.recv(timeout=10))["error"]
+        assert (error["type"], error["code"], error["event_id"]) == ("server_error", "server_error", "e1")
+        with pytest.raises(websockets.exceptions.ConnectionClosedError) as closed:
+            ws.recv(timeout=10)
+        assert closed.value.rcvd.code == 1011
