@@ -30,7 +30,8 @@ def server_limits(args):
                         max_client_audio_mb=args.max_client_audio_mb, min_body_kb_per_s=args.min_body_kb_per_s,
                         body_grace_s=args.body_grace_s, max_request_tokens=args.max_request_tokens,
                         protect_info=args.protect_info, max_realtime_sessions=args.max_realtime_sessions,
-                        max_realtime_buffer_seconds=args.max_realtime_buffer_seconds)
+                        max_realtime_buffer_seconds=args.max_realtime_buffer_seconds,
+                        max_realtime_speed=args.max_realtime_speed)
 
 
 def server_engine_kwargs(args) -> dict:
@@ -80,6 +81,9 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--max-realtime-buffer-seconds", type=float, default=120.0,
                     help="audio one live session may hold not yet transcribed (its decodes fell behind); beyond: "
                          "an error event and close code 1013")
+    sv.add_argument("--max-realtime-speed", type=float, default=4.0,
+                    help="how fast a live session's audio may arrive (times real time) after its first "
+                         "--max-realtime-buffer-seconds; a faster client is slowed, not refused")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

@@ -39,6 +39,10 @@ class ServerLimits:
     # Audio one realtime session may hold in turns not yet transcribed to the end (seconds); a session
     # whose decodes fall that far behind gets an error event and is closed (1013).
     max_realtime_buffer_seconds: float = 120.0
+    # How fast a realtime session's audio may arrive, in times real time, once its first
+    # max_realtime_buffer_seconds are in: a faster client is slowed (its events are read later), so one
+    # client cannot keep the event loop busy with audio work (resampling, voice detection) at any speed.
+    max_realtime_speed: float = 4.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -63,6 +67,8 @@ class ServerLimits:
         if not self.max_realtime_buffer_seconds >= 30:
             raise ValueError(f"max_realtime_buffer_seconds must be at least 30 (one Whisper window), got "
                              f"{self.max_realtime_buffer_seconds}")
+        if not self.max_realtime_speed >= 1:
+            raise ValueError(f"max_realtime_speed must be at least 1 (real time), got {self.max_realtime_speed}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no key)")
 

@@ -27,9 +27,12 @@ import contextlib
 import json
 import logging
 import secrets
+import time
+from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket
 
+from encdec_engine.inputs.audio import SAMPLE_RATE
 from encdec_engine.inputs.pcm_stream import AudioChunks
 from encdec_engine.server.errors import APIError
 from encdec_engine.server.realtime_protocol import (OPENAI_MODELS, ProtocolError, SessionConfig, apply_update,
@@ -91,6 +94,25 @@ def _refusal(st: ServerState, websocket: WebSocket) -> tuple[dict, int] | None:
     return None
 
 
+class AudioPace:
+    """How far a session's audio runs ahead of the wall clock. Its first `burst` seconds may come at any
+    speed, then at most `speed` times real time: `add` says how long to wait before reading the client's
+    next event (meanwhile its sends block, TCP's backpressure). Nothing is dropped or refused."""
+
+    def __init__(self, speed: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.speed, self.burst, self.clock = speed, burst, clock
+        self.start: float | None = None
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> float:
+        """Count `seconds` more of audio; the seconds to wait before taking the next event."""
+        now = self.clock()
+        if self.start is None:
+            self.start = now
+        self.seconds += seconds
+        return max(0.0, (self.seconds - self.burst - self.speed * (now - self.start)) / self.speed)
+
+
 class RealtimeConnection:
     """One websocket session: client events in, server events out through one queue (so in order)."""
 
@@ -102,6 +124,8 @@ class RealtimeConnection:
         self.session = LiveSession(self.model, self._options(self.config), f"item_{self.id[5:13]}_")
         self.stream = LiveStream(st.engine, self.session, self._emit, st.metrics.observe_realtime_lag, "realtime")
         self.audio = AudioChunks(self.config.rate)
+        self.pace = AudioPace(st.limits.max_realtime_speed, st.limits.max_realtime_buffer_seconds)
+        self.wait = 0.0  # seconds before the next event is read (the audio is ahead of `pace`)
         self.outbox: asyncio.Queue[dict | int] = asyncio.Queue()  # events, or a close code (the last item)
 
     async def run(self) -> None:
@@ -145,7 +169,10 @@ class RealtimeConnection:
                     raise ProtocolError("binary messages are not events: send JSON text events", None, "invalid_event")
                 client_event = parse_event(text)
                 event_id = client_event.get("event_id")
-                self._handle(client_event)
+                if client_event["type"] == "input_audio_buffer.append":
+                    await self._append(client_event.get("audio"))
+                else:
+                    self._handle(client_event)
             except ProtocolError as e:
                 self._send(error_event(e.message, e.param, e.code, event_id))
             except LiveError as e:
@@ -159,13 +186,14 @@ class RealtimeConnection:
             if self.session.buffered_seconds > self.st.limits.max_realtime_buffer_seconds:
                 self._overflow(event_id)
                 return True
+            if self.wait > 0:  # audio faster than the server takes it: this client's next events wait
+                await asyncio.sleep(self.wait)
+                self.wait = 0.0
 
     def _handle(self, client_event: dict) -> None:
         kind = client_event["type"]
         if kind in ("session.update", "transcription_session.update"):
             self._configure(client_event.get("session"), kind == "transcription_session.update")
-        elif kind == "input_audio_buffer.append":
-            self._append(client_event.get("audio"))
         elif kind == "input_audio_buffer.commit":
             self._emit(self.stream.commit())
         elif kind == "input_audio_buffer.clear":
@@ -199,7 +227,9 @@ class RealtimeConnection:
         self.model.prompt_tokens(options.prompt)
         return options
 
-    def _append(self, audio: object) -> None:
+    async def _append(self, audio: object) -> None:
+        """Take one append event's audio. A long one (an event may hold minutes) goes to the stream a second
+        at a time, the event loop free for the other sessions and requests in between."""
         if not self.configured:
             raise ProtocolError("configure the session first: send session.update (or transcription_session.update) "
                                 "before input_audio_buffer.append", "type", "session_not_configured")
@@ -213,8 +243,13 @@ class RealtimeConnection:
             samples = self.audio(data)
         except ValueError as e:
             raise ProtocolError(str(e), "audio", "invalid_audio_format") from None
-        self.st.metrics.realtime_audio_seconds += len(data) / 2 / self.config.rate
-        self._emit(self.stream.append(samples))
+        seconds = len(data) / 2 / self.config.rate
+        self.st.metrics.realtime_audio_seconds += seconds
+        self.wait = self.pace.add(seconds)
+        for start in range(0, max(len(samples), 1), SAMPLE_RATE):
+            if start:
+                await asyncio.sleep(0)
+            self._emit(self.stream.append(samples[start : start + SAMPLE_RATE]))
 
     def _overflow(self, event_id: str | None) -> None:
         held = self.session.buffered_seconds

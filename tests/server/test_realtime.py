@@ -313,3 +313,32 @@ def test_a_server_fault_on_an_event_is_an_error_event_and_a_1011_close(server, m
         with pytest.raises(websockets.exceptions.ConnectionClosedError) as closed:
             ws.recv(timeout=10)
         assert closed.value.rcvd.code == 1011
+
+
+def test_audio_pace_lets_a_burst_through_then_holds_a_client_to_its_speed():
+    from encdec_engine.server.realtime import AudioPace
+
+    now = [100.0]
+    pace = AudioPace(speed=4.0, burst=30.0, clock=lambda: now[0])
+    assert pace.add(30.0) == 0.0  # the burst, at once
+    assert pace.add(8.0) == pytest.approx(2.0)  # 8 s more at once: read on 2 s later (8 s at 4x)
+    now[0] += 2.0
+    assert pace.add(4.0) == pytest.approx(1.0)
+    now[0] += 60.0  # a quiet minute: room for 4 minutes more (no new burst)
+    assert pace.add(200.0) == 0.0
+
+
+def test_a_client_sending_faster_than_the_server_takes_audio_is_slowed_not_refused(server):
+    """One client flooding silence kept the event loop busy for every other client (a normal transcription
+    took 55 s instead of 0.2 s): past its first 30 s (the buffer bound), audio is read at 4x real time."""
+    with connect(server) as conn:
+        conn.recv()
+        conn.session.update(session=ga_session())
+        assert conn.recv().type == "session.updated"
+        start = time.monotonic()
+        conn.input_audio_buffer.append(audio=b64(b"\0\0" * 24000 * 30))  # the burst: 30 s of silence
+        for _ in range(8):  # 8 s more, at once: 2 s at 4x real time
+            conn.input_audio_buffer.append(audio=b64(b"\0\0" * 24000))
+        conn.input_audio_buffer.clear()
+        assert collect(conn, "input_audio_buffer.cleared")
+        assert time.monotonic() - start >= 1.5  # the last second's audio and the clear were read ~2 s on
