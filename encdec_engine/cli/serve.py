@@ -68,7 +68,8 @@ def add_serve_parser(sub) -> None:
                     help="memory for the audio of transcriptions in flight (uploads, samples, log-mels: about "
                          "350 MB per hour of audio), held from upload to the job's end; beyond: 429")
     sv.add_argument("--max-client-audio-mb", type=float, default=None,
-                    help="what one client address may hold of that memory (default: a quarter); beyond: 429")
+                    help="what one client address may hold of that memory (default: a quarter, and at least what "
+                         "the largest allowed upload holds while it decodes); beyond: 429")
     sv.add_argument("--min-body-kb-per-s", type=float, default=16.0,
                     help="the slowest a request body may arrive, on average after --body-grace-s; slower: 408")
     sv.add_argument("--body-grace-s", type=float, default=10.0, help="seconds before the body rate is enforced")

@@ -134,10 +134,11 @@ def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE, max_seconds: fl
     """Decode an audio file (path or binary file object) to float32 mono at ``sr`` Hz.
 
     Reads WAV, FLAC, OGG/Vorbis/Opus and MP3 with libsndfile; for paths, the containers ffmpeg
-    decodes (MP4/M4A, WebM/Matroska, WMA, ...: `inputs/ffmpeg.py`, which refuses playlists and any
-    file that refers to others). Any sample rate and channel count. Raises ``AudioError`` naming the
-    file (``name``, default: the path) when it is missing, empty, has no samples, has an unsupported
-    extension or format, or cannot be decoded, and ``AudioTooLong`` when it holds more than
+    decodes (MP4/M4A, WebM/Matroska, WMA, ...: `inputs/ffmpeg.py`, which names the format by the
+    file's first bytes, whatever its name, and refuses playlists and any file that refers to others).
+    Any sample rate and channel count. Raises ``AudioError`` naming the file (``name``, default: the
+    path) when it is missing, empty, has no samples, is in no format decoded here, or cannot be
+    decoded, and ``AudioTooLong`` when it holds more than
     ``max_seconds`` of audio (decoding stops there). Returns ``[num_samples]``.
     """
     name = name or _describe(path_or_file)
@@ -155,12 +156,9 @@ def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE, max_seconds: fl
     except AudioTooLong as e:
         raise AudioTooLong(e.seconds, e.limit, name) from None
     except Exception as sf_error:  # libsndfile raises several types for bad input
-        suffix = Path(name).suffix.lower()
         if not is_path:
             raise AudioError(f"cannot decode audio from {name}: not a supported audio format, or corrupt") from sf_error
-        if suffix not in AUDIO_EXTENSIONS:
-            raise AudioError(f"unsupported audio format {suffix or '(no extension)'!r}: {name}") from sf_error
-        try:
+        try:  # ffmpeg, with the demuxer its first bytes name (a file called "audio" or "x.dat" too)
             info = ffmpeg.probe(str(path_or_file), name)
             if max_seconds is not None and info.seconds is not None and info.seconds > max_seconds:
                 raise AudioTooLong(info.seconds, max_seconds, name)  # from the container, before decoding

@@ -25,7 +25,8 @@ class ServerLimits:
     # Audio held by the transcriptions in flight (uploads as their bytes arrive, samples, log-mels: about
     # 350 MB per hour of audio), held until the job ends; more get 429.
     max_audio_memory_mb: float = 4096.0
-    # What one client address may hold of that budget (None: a quarter of it, at least one upload).
+    # What one client address may hold of that budget (None: a quarter of it, and at least what the largest
+    # upload the other limits allow holds while it decodes: 1.7 GB for an hour of 48 kHz stereo).
     max_client_audio_mb: float | None = None
     # A body must arrive at this rate on average, after a grace period; slower gets 408.
     min_body_kb_per_s: float = 16.0
@@ -80,11 +81,13 @@ class ServerLimits:
     def max_body_bytes(self) -> int:
         return int(self.max_upload_mb * _MB)
 
-    @property
-    def max_client_audio_bytes(self) -> int:
+    def max_client_audio_bytes(self, largest_upload_bytes: int) -> int:
+        """The per-client budget; by default a quarter of the whole, at least `largest_upload_bytes` (what one
+        upload within the limits may hold while it decodes) and at most the whole."""
         if self.max_client_audio_mb is not None:
             return int(self.max_client_audio_mb * _MB)
-        return int(max(self.max_upload_mb, self.max_audio_memory_mb / 4) * _MB)
+        total = int(self.max_audio_memory_mb * _MB)
+        return min(total, max(self.max_body_bytes, total // 4, largest_upload_bytes))
 
 
 # -- admission: the bounded waiting queue -----------------------------------
@@ -187,6 +190,12 @@ class AudioMemory:
     def take(self, reservation: Reservation, nbytes: int) -> None:
         client = reservation.client
         held = self.by_client.get(client, 0)
+        alone = min(self.client_limit, self.limit)  # what one request may ever hold
+        if nbytes > 0 and reservation.held + nbytes > alone:  # never fits: a retry would get the same
+            raise APIError(413, f"decoding this upload would hold {_mb(reservation.held + nbytes)} of audio "
+                                f"(its samples at their own rate and channels, then 16 kHz mono with its log-mel), "
+                                f"more than this server lets one request hold ({_mb(alone)}); send it shorter, "
+                                "or at a lower sample rate or in mono", "file")
         if nbytes > 0 and held + nbytes > self.client_limit:
             raise APIError(429, f"your address holds {_mb(held)} of audio in requests in flight; this one needs "
                                 f"{_mb(nbytes)} more, over the per-client limit of {_mb(self.client_limit)}; "

@@ -17,6 +17,7 @@ from encdec_engine.engine.async_engine import AsyncLLMEngine
 from encdec_engine.server.errors import APIError, engine_error
 from encdec_engine.server.limits import Admission, AudioMemory, RealtimeSessions, Reservation, ServerLimits, Ticket
 from encdec_engine.server.metrics import Metrics
+from encdec_engine.server.uploads import largest_upload_bytes
 from encdec_engine.translation.tasks import Translator
 
 T = TypeVar("T")
@@ -33,7 +34,9 @@ class ServerState:
         self.model_name = served_model_name or Path(self.model_path).name or self.model_path
         self.aliases = {self.model_name, self.model_path} | ({"whisper-1"} if self.is_audio else set())
         self.admission = Admission(limits.max_queue)
-        self.audio_memory = AudioMemory(int(limits.max_audio_memory_mb * (1 << 20)), limits.max_client_audio_bytes)
+        largest = largest_upload_bytes(limits.max_body_bytes, limits.max_audio_seconds)
+        self.audio_memory = AudioMemory(int(limits.max_audio_memory_mb * (1 << 20)),
+                                        limits.max_client_audio_bytes(largest))
         self.metrics = Metrics()
         self.preprocess = asyncio.Semaphore(limits.preprocess_workers)
         self._translator: Translator | None = None

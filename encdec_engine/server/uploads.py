@@ -26,6 +26,7 @@ from encdec_engine.speech.job import TranscriptionJob
 _FFMPEG_ONLY = AUDIO_EXTENSIONS - {".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif", ".au"}
 _FLOAT = 4  # bytes per float32 sample or log-mel value
 _MEL_FRAMES_PER_SECOND = 100
+_ASSUMED_RATE, _ASSUMED_CHANNELS = 48000, 2  # what a header that does not say is counted as
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,18 @@ def held_bytes(seconds: float, n_mels: int) -> int:
     pads 30 s of silence), about 350 MB per hour with 80 mel bins."""
     return int((seconds * SAMPLE_RATE + N_SAMPLES) * _FLOAT
                + (seconds * _MEL_FRAMES_PER_SECOND + 3000) * n_mels * _FLOAT)
+
+
+def decode_peak_bytes(upload_bytes: int, seconds: float, sample_rate: int, channels: int, n_mels: int) -> int:
+    """Bytes held while decoding an upload: its bytes, its samples at their own rate and channels, and
+    the loaded job."""
+    return upload_bytes + int(seconds * sample_rate * channels * _FLOAT) + held_bytes(seconds, n_mels)
+
+
+def largest_upload_bytes(max_upload_bytes: int, max_seconds: float) -> int:
+    """What the largest upload the limits allow may hold while it decodes: the longest audio, at 48 kHz
+    stereo (as a header that says nothing counts), into 128 mel bins (large-v3's)."""
+    return decode_peak_bytes(max_upload_bytes, max_seconds, _ASSUMED_RATE, _ASSUMED_CHANNELS, 128)
 
 
 def job_bytes(job: TranscriptionJob) -> int:
@@ -73,8 +86,8 @@ class UploadedAudio:
     def probe(self) -> Probe:
         """Duration, rate and channels from the header alone; 413 if the duration is over the limit."""
         probe = self._probe_soundfile()
-        if probe is None and self.suffix in _FFMPEG_ONLY:
-            probe = self._probe_ffmpeg()
+        if probe is None:  # m4a, webm, ... or a name that says nothing ("blob"): ffmpeg names the format by
+            probe = self._probe_ffmpeg()  # its bytes, and refuses what it does not take
         probe = probe or Probe(None, None, None)
         if probe.seconds is not None and probe.seconds > self.max_seconds:
             raise too_long(probe.seconds, self.max_seconds)
@@ -84,19 +97,19 @@ class UploadedAudio:
         """Bytes held while decoding: the upload, the samples at the file's own rate and channels, and
         the loaded job. Unknown header fields count as the worst case the limits allow."""
         seconds = probe.seconds if probe.seconds is not None else self.max_seconds
-        native = seconds * (probe.sample_rate or 48000) * (probe.channels or 2) * _FLOAT
-        return len(self.data) + int(native) + held_bytes(seconds, n_mels)
+        return decode_peak_bytes(len(self.data), seconds, probe.sample_rate or _ASSUMED_RATE,
+                                 probe.channels or _ASSUMED_CHANNELS, n_mels)
 
     def decode(self) -> np.ndarray:
         """float32 mono 16 kHz samples ``[num_samples]``, at most the limit's worth. Raises APIError."""
         try:
-            try:
-                return load_audio_bytes(self.data, self.name, max_seconds=self.max_seconds)
-            except AudioTooLong:
-                raise
-            except AudioError:
-                if self.suffix not in _FFMPEG_ONLY:
+            if self.suffix not in _FFMPEG_ONLY:
+                try:
+                    return load_audio_bytes(self.data, self.name, max_seconds=self.max_seconds)
+                except AudioTooLong:
                     raise
+                except AudioError:  # not a format libsndfile reads, whatever the name says
+                    pass
             # m4a, webm, ...: ffmpeg reads a file; errors name the upload, not the temporary file.
             return load_audio(self._file(), max_seconds=self.max_seconds, name=self.name)
         except AudioTooLong as e:

@@ -166,7 +166,7 @@ def test_corrupt_file_names_the_file(tmp_path: Path) -> None:
 def test_unsupported_format_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "notes.txt"
     path.write_text("this is not audio\n" * 20)
-    with pytest.raises(AudioError, match=r"unsupported.*'.txt'.*notes.txt"):
+    with pytest.raises(AudioError, match=r"notes.txt is not in an audio format this engine decodes \(WAV, "):
         load_audio(path)
     with pytest.raises(AudioError, match="not a regular file"):
         load_audio(tmp_path)

@@ -88,6 +88,27 @@ def whisper_server():
     server.stop()
 
 
+def test_a_container_is_decoded_whatever_its_name_says(containers, tmp_path):
+    """An m4a called "blob" (what a browser's MediaRecorder upload is often called) or "x.dat": ffmpeg
+    names the format by the bytes. It was refused by its suffix (the CLI) or took a 429 (the server)."""
+    reference = load_audio(AUDIO / "fox.wav")
+    for name in ("blob", "x.dat"):
+        path = tmp_path / name
+        path.write_bytes(containers[".m4a"].read_bytes())
+        assert abs(len(load_audio(path)) - len(reference)) < 0.1 * len(reference), name
+
+
+def test_an_upload_named_for_nothing_is_transcribed_and_text_is_a_400(whisper_server, containers):
+    with whisper_server.http() as http:
+        r = http.post("/v1/audio/transcriptions", files={"file": ("blob", containers[".webm"].read_bytes())},
+                      data={"model": "whisper-1"})
+        assert r.status_code == 200 and "fox" in r.json()["text"].lower(), r.text
+        r = http.post("/v1/audio/transcriptions", files={"file": ("notes", b"these are my notes\n" * 40)},
+                      data={"model": "whisper-1"})
+        assert r.status_code == 400 and "not in an audio format" in r.json()["error"]["message"], r.text
+    whisper_server.assert_clean()
+
+
 def test_an_uploaded_playlist_gets_a_400_naming_it_and_no_transcript(whisper_server, playlists):
     """The server used to answer with the transcript of a file on its own disk."""
     with whisper_server.http() as http:
@@ -230,6 +251,32 @@ def test_one_address_cannot_hold_more_than_its_share(guarded_server):
     finally:
         first.close()
     guarded_server.assert_clean()
+
+
+def test_the_largest_allowed_upload_fits_one_client_and_one_that_never_fits_is_a_413():
+    """Defaults: a 40-minute 48 kHz stereo MP3 (9.6 MB, 1.1 GB while it decodes) got a 429 ("retry") from
+    the 1 GB per-client quarter, and so did any upload whose header said nothing (counted as an hour of
+    48 kHz stereo); a request that can never fit is a 413, not a 429 the client retries."""
+    from encdec_engine.server.errors import APIError
+    from encdec_engine.server.limits import AudioMemory
+    from encdec_engine.server.uploads import decode_peak_bytes, largest_upload_bytes
+
+    limits = ServerLimits()
+    largest = largest_upload_bytes(limits.max_body_bytes, limits.max_audio_seconds)
+    memory = AudioMemory(int(limits.max_audio_memory_mb * 2**20), limits.max_client_audio_bytes(largest))
+    assert memory.client_limit == largest  # above the quarter (1 GB), below the whole (4 GB)
+    podcast, beside = memory.reserve("a"), memory.reserve("a")
+    podcast.resize(decode_peak_bytes(9_600_000, 2400, 48000, 2, 80))
+    with pytest.raises(APIError) as busy:  # a second one from the same address waits its turn
+        beside.resize(decode_peak_bytes(9_600_000, 2400, 48000, 2, 80))
+    assert busy.value.status == 429 and "per-client limit" in busy.value.message
+    podcast.release()
+    beside.release()
+    never = memory.reserve("b")
+    with pytest.raises(APIError) as refused:  # an hour of 96 kHz 8-channel audio
+        never.resize(decode_peak_bytes(25_000_000, 3600, 96000, 8, 128))
+    assert refused.value.status == 413 and refused.value.param == "file" and "send it shorter" in refused.value.message
+    assert memory.used == 0
 
 
 @pytest.fixture(scope="module")
