@@ -16,6 +16,16 @@ from encdec_engine.server import protocol as P
 
 logger = logging.getLogger(__name__)
 
+MAX_MESSAGE_CHARS = 2000  # of an error message: a field's value quoted back is cut there
+
+
+def clip(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`message`, cut to `limit` characters (saying how long it was): an error that quotes a client's
+    value back must not turn a 1 MB field into a 1 MB answer."""
+    if len(message) <= limit:
+        return message
+    return f"{message[:limit]}... (the message was cut at {limit} of its {len(message):,} characters)"
+
 
 class APIError(Exception):
     """An error answered as OpenAI's `{"error": {...}}` with its HTTP status."""
@@ -25,6 +35,7 @@ class APIError(Exception):
              500: "internal_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        message = clip(message)
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
 

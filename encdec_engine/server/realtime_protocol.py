@@ -16,8 +16,10 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from encdec_engine.server.errors import clip
+from encdec_engine.server.protocol import MAX_AUDIO_PROMPT_CHARS, MAX_LANGUAGE_CHARS, MAX_NAME_CHARS
 from encdec_engine.speech.live_events import (Cleared, Committed, LiveEvent, SpeechStarted, SpeechStopped,
                                               TranscriptCompleted, TranscriptDelta, TranscriptFailed)
 from encdec_engine.speech.live_options import TurnDetection
@@ -52,10 +54,10 @@ class TurnDetectionIn(_Strict):
     eagerness: str | None = None  # semantic_vad only (refused)
 
 
-class TranscriptionIn(_Strict):
-    model: str | None = None
-    language: str | None = None
-    prompt: str | None = None
+class TranscriptionIn(_Strict):  # the same caps as the HTTP endpoints' fields
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    language: str | None = Field(None, max_length=MAX_LANGUAGE_CHARS)
+    prompt: str | None = Field(None, max_length=MAX_AUDIO_PROMPT_CHARS)
     delay: str | None = None  # gpt-realtime-whisper's latency knob (refused: see min_chunk_seconds)
     keywords: list[str] | None = None  # refused (use prompt)
     languages: list[str] | None = None  # refused (one language, or detection per turn)
@@ -203,8 +205,8 @@ def event(type_: str, **fields) -> dict:
 
 def error_event(message: str, param: str | None = None, code: str | None = None, event_id: str | None = None,
                 type_: str = "invalid_request_error") -> dict:
-    return event("error", error={"type": type_, "code": code, "message": message, "param": param,
-                                 "event_id": event_id})
+    return event("error", error={"type": type_, "code": code, "message": clip(message), "param": param,
+                                 "event_id": clip(event_id, 200) if isinstance(event_id, str) else None})
 
 
 def session_object(config: SessionConfig, session_id: str, model: str, beta: bool) -> dict:

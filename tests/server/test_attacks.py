@@ -109,6 +109,16 @@ def test_an_upload_named_for_nothing_is_transcribed_and_text_is_a_400(whisper_se
     whisper_server.assert_clean()
 
 
+def test_a_huge_bad_field_is_not_quoted_back_whole(whisper_server):
+    """A 900 KB chunking_strategy was echoed in its 400: a 900 KB answer to a bad field."""
+    with whisper_server.http() as http:
+        r = http.post("/v1/audio/transcriptions", files={"file": ("weather.wav", (AUDIO / "weather.wav").read_bytes())},
+                      data={"model": "whisper-1", "chunking_strategy": "z" * 900_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chunking_strategy"
+    assert len(r.content) < 3000 and "the message was cut at 2000" in r.json()["error"]["message"]
+    whisper_server.assert_clean()
+
+
 def test_an_uploaded_playlist_gets_a_400_naming_it_and_no_transcript(whisper_server, playlists):
     """The server used to answer with the transcript of a file on its own disk."""
     with whisper_server.http() as http:

@@ -287,7 +287,8 @@ def test_events_that_broke_the_receiver_get_error_events_and_the_session_lives_o
         session["audio"]["input"]["transcription"]["prompt"] = "\ud800"
         ws.send(json.dumps({"type": "session.update", "session": session}))
         error = json.loads(ws.recv(timeout=10))["error"]
-        assert error["param"] == "session.audio.input.transcription.prompt" and "lone surrogate" in error["message"]
+        assert error["param"] == "session.audio.input.transcription.prompt"
+        assert "surrogate" in error["message"] or "unicode" in error["message"]
         ws.send(json.dumps({"type": "session.update", "session": ga_session(None)}))
         assert json.loads(ws.recv(timeout=10))["type"] == "session.updated"
 
@@ -342,3 +343,21 @@ def test_a_client_sending_faster_than_the_server_takes_audio_is_slowed_not_refus
         conn.input_audio_buffer.clear()
         assert collect(conn, "input_audio_buffer.cleared")
         assert time.monotonic() - start >= 1.5  # the last second's audio and the clear were read ~2 s on
+
+
+def test_an_oversized_field_is_refused_without_being_quoted_back_whole(server):
+    """A 10 KB language was echoed in full; a realtime field has the HTTP endpoints' caps, and any error
+    message is cut at 2,000 characters."""
+    import json
+
+    from encdec_engine.server.errors import clip
+
+    with websockets.sync.client.connect(server.url.replace("http", "ws") + "/v1/realtime?intent=transcription",
+                                        additional_headers=AUTH) as ws:
+        ws.recv(timeout=10)
+        session = ga_session(None)
+        session["audio"]["input"]["transcription"]["language"] = "x" * 10_000
+        ws.send(json.dumps({"type": "session.update", "session": session}))
+        error = json.loads(ws.recv(timeout=10))["error"]
+        assert error["param"] == "session.audio.input.transcription.language" and len(error["message"]) < 500
+    assert clip("y" * 5000).endswith("(the message was cut at 2000 of its 5,000 characters)")
