@@ -106,7 +106,9 @@ def _transcriber(engine, options: TranscribeOptions, task: str) -> Transcriber:
         transcriber = Transcriber(engine, options)
         start = transcriber.tokens.decoder_prompt(options.language, task)  # language and task on this checkpoint
     except ValueError as e:
-        raise APIError(400, str(e), "language" if "language" in str(e) else "prompt") from None
+        message = str(e)
+        param = "language" if "language" in message else "model" if "cannot translate" in message else "prompt"
+        raise APIError(400, message, param) from None
     check_window_tokens(options.max_new_tokens, len(start), engine.max_decoder_len)
     return transcriber
 

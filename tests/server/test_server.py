@@ -215,8 +215,9 @@ def test_the_repeated_phrase_recording_keeps_every_utterance_streamed_or_not(whi
 
 
 def test_translation_needs_multilingual_model(whisper_server):
-    with open(AUDIO / "fox.wav", "rb") as f, pytest.raises(openai.BadRequestError, match="English-only"):
+    with open(AUDIO / "fox.wav", "rb") as f, pytest.raises(openai.BadRequestError, match="English-only") as e:
         whisper_server.client().audio.translations.create(model="whisper-1", file=f)
+    assert e.value.body["param"] == "model"  # the model, not the prompt, is what cannot translate
 
 
 # -- completions --------------------------------------------------------------------
