@@ -114,8 +114,15 @@ def _singleton(value: Any, what: str) -> str | dict:
         if len(value) > MAX_PROMPT_TOKEN_IDS:
             raise ValueError(f"{what} has {len(value)} token ids, more than the limit of {MAX_PROMPT_TOKEN_IDS}")
         return {"prompt_token_ids": value}
-    if isinstance(value, dict) and set(value) in ({"prompt"}, {"prompt_token_ids"}):
-        return _singleton(value.get("prompt", value.get("prompt_token_ids")), what)
+    if isinstance(value, dict) and set(value) == {"prompt"}:
+        if not isinstance(value["prompt"], str):  # not token ids under the text's key
+            raise ValueError(f"{what}.prompt must be a string, got {type(value['prompt']).__name__}")
+        return _singleton(value["prompt"], what)
+    if isinstance(value, dict) and set(value) == {"prompt_token_ids"}:
+        ids = _token_list(value["prompt_token_ids"])
+        if not _is_token_list(ids):  # not text under the token ids' key ("abc" was taken as a text prompt)
+            raise ValueError(f"{what}.prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
+        return _singleton(ids, what)
     raise ValueError(f"{what} must be a string, a list of token ids, {{\"prompt\": str}} or "
                      f"{{\"prompt_token_ids\": [int, ...]}}, got {type(value).__name__}")
 

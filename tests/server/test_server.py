@@ -350,6 +350,9 @@ BAD_COMPLETIONS = [
     ({"json": {"prompt": "x" * 1_000_001}}, 400, "more than the limit of 1000000"),
     ({"json": {"prompt": [5] * 262_145, "truncate_prompt_tokens": 8}}, 400, "more than the limit of 262144"),
     ({"json": {"prompt": "x", "user": "u" * 257}}, 400, "user: String should have at most 256 characters"),
+    # A value under the other kind's key (schemathesis: "abc" as token ids was served as a text prompt).
+    ({"json": {"prompt": [{"prompt_token_ids": "abc"}]}}, 400, "prompt_token_ids must be a list of token ids"),
+    ({"json": {"prompt": {"prompt": [5, 6]}}}, 400, "prompt must be a string, got list"),
 ]
 
 
