@@ -6,12 +6,15 @@ and the server log has the traceback under that id.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import uuid
 
 from fastapi.responses import JSONResponse
 
 from encdec_engine.engine.async_engine import EngineDeadError
+from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.server import protocol as P
 
 logger = logging.getLogger(__name__)
@@ -55,8 +58,18 @@ def engine_error(e: Exception, request_id: str | None = None) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, ValueError):
-        return APIError(400, str(e))
+        return APIError(400, str(e), _field_named(str(e)))
     return internal_error(e, request_id)
+
+
+def _field_named(message: str) -> str | None:
+    """The request field an engine error starts by naming ("max_tokens 30 plus ...", "prompt 0: ...",
+    "SamplingParams.n ..."), for the error's `param`; None if it names none."""
+    word = re.match(r"(?:SamplingParams\.)?([a-z_]+)", message)
+    return word[1] if word and word[1] in _REQUEST_FIELDS else None
+
+
+_REQUEST_FIELDS = frozenset({f.name for f in dataclasses.fields(SamplingParams)} | {"prompt"})
 
 
 def internal_error(e: BaseException, request_id: str | None = None, where: str = "") -> APIError:

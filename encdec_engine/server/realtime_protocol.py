@@ -16,7 +16,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from encdec_engine.server.errors import clip
 from encdec_engine.server.protocol import MAX_AUDIO_PROMPT_CHARS, MAX_LANGUAGE_CHARS, MAX_NAME_CHARS
@@ -65,7 +65,7 @@ class TranscriptionIn(_Strict):  # the same caps as the HTTP endpoints' fields
 
 class FormatIn(_Strict):
     type: str = "audio/pcm"
-    rate: int | None = None
+    rate: StrictInt | None = None  # a number, as OpenAI's schema has it ("24000" was taken)
 
 
 class AudioInputIn(_Strict):

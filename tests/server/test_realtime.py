@@ -169,6 +169,8 @@ def test_bad_events_get_error_events_and_the_session_lives_on(server):
         expect_error("session.audio.input.turn_detection.type", "unsupported_parameter")
         conn.session.update(session=ga_session(rate=44100))
         expect_error("session.audio.input.format.rate", "unsupported_format")
+        conn.session.update(session=ga_session(rate="24000"))  # a string: OpenAI's schema has a number
+        expect_error("session.audio.input.format.rate")
         conn.session.update(session={"type": "transcription", "audio": {"input": {"transcription": {"language": "xx"}}}})
         expect_error("session.audio.input.transcription.language")
         conn.session.update(session={"type": "transcription", "audio": {"input": {"volume": 3}}})

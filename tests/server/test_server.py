@@ -364,6 +364,18 @@ def test_bad_audio_requests_get_clean_errors(whisper_server, kwargs, status, mes
     assert message in r.json()["error"]["message"]
 
 
+def test_an_engine_refusal_names_its_field(bart_server):
+    """The engine's own checks (the model's length) named no `param`: now the field their message starts with."""
+    with bart_server.http() as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 100_000}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    from encdec_engine.server.errors import engine_error
+
+    assert engine_error(ValueError("prompt 0: encoder prompt has 9 tokens")).param == "prompt"
+    assert engine_error(ValueError("SamplingParams.n must be an integer")).param == "n"
+    assert engine_error(ValueError("the model is not ready")).param is None
+
+
 @pytest.mark.parametrize("kwargs,status,message", BAD_COMPLETIONS)
 def test_bad_completion_requests_get_clean_errors(bart_server, kwargs, status, message):
     kwargs = {**kwargs, "headers": {**AUTH, **kwargs.get("headers", {})}}
