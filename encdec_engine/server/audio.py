@@ -147,6 +147,8 @@ async def _read_form(request: Request) -> tuple[UploadFile, dict[str, Any]]:
     upload, fields = None, {}
     for key, value in form.multi_items():
         name = key.removesuffix("[]")
+        if not name:
+            raise APIError(400, "a form part has no name (its Content-Disposition needs name=\"...\")")
         if name == "file":
             if not isinstance(value, UploadFile):
                 raise APIError(400, "'file' must be an uploaded file (a multipart part with a filename)", "file")
@@ -164,8 +166,9 @@ async def _read_form(request: Request) -> tuple[UploadFile, dict[str, Any]]:
             raise APIError(400, f"field {name!r} is given more than once", name)
         elif value != "":
             fields[name] = value
-    if upload is None:
-        raise APIError(400, "missing 'file': send the audio as a multipart/form-data part named 'file'", "file")
+    if upload is None:  # none, or one cut off before the body's closing boundary (which drops it)
+        raise APIError(400, "missing 'file': send the audio as a multipart/form-data part named 'file' (a body "
+                            "cut off before its closing boundary loses its last part)", "file")
     return upload, fields
 
 

@@ -309,6 +309,9 @@ BAD_AUDIO = [
     (_multipart(file=(AUDIO / "long_meeting.flac").read_bytes()), 413, "at most 60 s"),
     (_multipart(prompt="p" * 8193), 400, "prompt: String should have at most 8192 characters"),
     (_multipart(language="x" * 33), 400, "language: String should have at most 32 characters"),
+    ({**_multipart(), "data": {"model": "whisper-1", "": "x"}}, 400, "a form part has no name"),
+    ({"content": b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF',
+      "headers": {"content-type": "multipart/form-data; boundary=b"}}, 400, "cut off before its closing boundary"),
 ]
 
 BAD_COMPLETIONS = [
