@@ -13,6 +13,7 @@ import uvicorn
 from helpers import AUDIO
 
 from encdec_engine.engine.async_engine import AsyncLLMEngine
+from encdec_engine.server.app import uvicorn_server
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -29,7 +30,7 @@ class LiveServer:
         self.app, self.state = app, app.state.server
         self.engine: AsyncLLMEngine = self.state.engine
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn_server(config, self.state)  # `encdec serve`'s: realtime sessions finish at shutdown
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

@@ -33,6 +33,7 @@ This module builds and runs the app; the parts live beside it:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
@@ -181,4 +182,26 @@ def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, limits:
     logger.info("serving %r: %s", state.model_name, state.engine.engine.describe())
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout)
-    uvicorn.Server(config).run()
+    uvicorn_server(config, state).run()
+
+
+def uvicorn_server(config, state: ServerState):
+    """uvicorn's Server, whose shutdown first lets the realtime sessions finish (`RealtimeConnection.finish`:
+    the open turn's final text, then close 1001), within `config.timeout_graceful_shutdown`. Without this
+    uvicorn closes every websocket at once (1012) and an open turn's words are lost."""
+    import uvicorn  # lazy: the server's own modules load only for a command that serves
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            for server in self.servers:  # no new connections while the sessions finish
+                server.close()
+            sessions = [c.finish() for c in list(state.realtime_connections)]
+            if sessions:
+                logger.info("finishing %d realtime session(s)", len(sessions))
+                done, pending = await asyncio.wait([asyncio.ensure_future(s) for s in sessions],
+                                                   timeout=config.timeout_graceful_shutdown)
+                if pending:
+                    logger.warning("%d realtime session(s) did not finish in time; closing them", len(pending))
+            await super().shutdown(sockets)
+
+    return Server(config)

@@ -50,6 +50,7 @@ router = APIRouter()
 TRY_AGAIN_LATER = 1013  # websocket close codes (RFC 6455)
 POLICY_VIOLATION = 1008
 INTERNAL_ERROR = 1011
+GOING_AWAY = 1001
 CLIENT_EVENTS = ("session.update", "transcription_session.update", "input_audio_buffer.append",
                  "input_audio_buffer.commit", "input_audio_buffer.clear")
 
@@ -127,17 +128,24 @@ class RealtimeConnection:
         self.pace = AudioPace(st.limits.max_realtime_speed, st.limits.max_realtime_buffer_seconds)
         self.wait = 0.0  # seconds before the next event is read (the audio is ahead of `pace`)
         self.outbox: asyncio.Queue[dict | int] = asyncio.Queue()  # events, or a close code (the last item)
+        self.shutting_down = asyncio.Event()  # the server is shutting down (`finish`)
+        self.done = asyncio.Event()  # `run` has ended
 
     async def run(self) -> None:
         kind = "transcription_session.created" if self.beta else "session.created"
         self._send(event(kind, session=self._session_object()))
-        tasks = [asyncio.ensure_future(t) for t in (self._receive(), self._deliver(), self.stream.run())]
-        receiver, sender, decoder = tasks
+        tasks = [asyncio.ensure_future(t) for t in (self._receive(), self._deliver(), self.stream.run(),
+                                                    self.shutting_down.wait())]
+        receiver, sender, decoder, shutdown = tasks
         self.st.live_sessions.add(self.session)
+        self.st.realtime_connections.add(self)
         try:
-            await asyncio.wait({receiver, decoder}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({receiver, decoder, shutdown}, return_when=asyncio.FIRST_COMPLETED)
             closing = decoder.done()  # the decode loop only ends by raising: the engine stopped
-            if closing:
+            if shutdown.done() and not closing:
+                await self._finish_turns(receiver, decoder)
+                closing = True
+            elif closing:
                 logger.error("realtime session %s stopped", self.id, exc_info=decoder.exception())
                 self._send(error_event("the engine stopped; the session is closed", None, "engine_unavailable",
                                        type_="server_error"))
@@ -151,9 +159,26 @@ class RealtimeConnection:
                     await asyncio.wait_for(asyncio.shield(sender), 5.0)
         finally:
             self.st.live_sessions.discard(self.session)
+            self.st.realtime_connections.discard(self)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.done.set()
+
+    async def finish(self) -> None:
+        """The server is shutting down: no more client events are read, the open turn ends where its audio
+        does, every turn's final transcription is sent, and the session closes with 1001 (going away).
+        Returns once the session has ended (the caller bounds the wait)."""
+        self.shutting_down.set()
+        await self.done.wait()
+
+    async def _finish_turns(self, receiver: asyncio.Task, decoder: asyncio.Task) -> None:
+        receiver.cancel()
+        await asyncio.gather(receiver, return_exceptions=True)
+        self._emit(self.stream.finish())
+        while not self.session.idle and not decoder.done():
+            await asyncio.sleep(0.05)
+        self.outbox.put_nowait(GOING_AWAY)
 
     # -- client events -----------------------------------------------------------------------
     async def _receive(self) -> bool:

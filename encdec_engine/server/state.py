@@ -42,6 +42,7 @@ class ServerState:
         self._translator: Translator | None = None
         self.realtime = RealtimeSessions(limits.max_realtime_sessions)
         self.live_sessions: set = set()  # the LiveSessions of the realtime connections open (for the metrics)
+        self.realtime_connections: set = set()  # the RealtimeConnections open (finished at shutdown)
 
     def translator(self) -> Translator:
         """The model's translation convention (made at the first request with a target_language); a 400

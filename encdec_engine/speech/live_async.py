@@ -60,6 +60,12 @@ class LiveStream:
         self._changed()
         return events
 
+    def finish(self) -> list[LiveEvent]:
+        """The stream ends: its open turn ends where the audio does (`LiveSession.finish`)."""
+        events = self.session.finish()
+        self._changed()
+        return events
+
     def _changed(self) -> None:
         """Wake the loop; cancel a decode that is no use any more (the final decode goes next)."""
         request, decode = self._request, self._decode

@@ -363,3 +363,40 @@ def test_an_oversized_field_is_refused_without_being_quoted_back_whole(server):
         error = json.loads(ws.recv(timeout=10))["error"]
         assert error["param"] == "session.audio.input.transcription.language" and len(error["message"]) < 500
     assert clip("y" * 5000).endswith("(the message was cut at 2000 of its 5,000 characters)")
+
+
+def test_at_shutdown_an_open_turn_is_finished_and_the_session_closed_going_away():
+    """uvicorn closed every websocket at once (1012) and the words of an open turn were lost; now the
+    server ends the turn where its audio does, sends its .completed, then closes with 1001."""
+    import json
+
+    live = LiveServer(build_app(str(default_model_path()), limits=ServerLimits(api_key=KEY),
+                                kv_cache_space_gb=0.25), shutdown_timeout=30)
+    stopper = None
+    try:
+        with websockets.sync.client.connect(live.url.replace("http", "ws") + "/v1/realtime?intent=transcription",
+                                            additional_headers=AUTH) as ws:
+            ws.recv(timeout=10)
+            ws.send(json.dumps({"type": "session.update", "session": ga_session(None)}))  # manual: never committed
+            assert json.loads(ws.recv(timeout=10))["type"] == "session.updated"
+            ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                "audio": b64(pcm24k(load_audio(AUDIO / "fox.wav")))}))
+            time.sleep(0.5)  # the append is in before the shutdown starts
+            stopper = threading.Thread(target=live.stop)
+            stopper.start()
+            kinds, completed = [], None
+            with pytest.raises(websockets.exceptions.ConnectionClosedOK) as closed:
+                while True:
+                    message = json.loads(ws.recv(timeout=60))
+                    kinds.append(message["type"])
+                    if message["type"] == "conversation.item.input_audio_transcription.completed":
+                        completed = message["transcript"]
+            assert closed.value.rcvd.code == 1001, kinds
+            assert completed is not None and "quick brown fox" in completed.lower(), kinds
+    finally:
+        if stopper is not None:
+            stopper.join(60)
+        else:
+            live.stop()
+    engine = live.engine.engine
+    assert engine.num_free_blocks() == engine.num_total_blocks()
