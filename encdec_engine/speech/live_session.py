@@ -52,6 +52,7 @@ class LiveSession:
         self.ending: deque[LiveTurn] = deque()  # ended turns waiting for their final text, oldest first
         self.in_flight: LiveRequest | None = None
         self.last_item: str | None = None  # the last turn committed
+        self.announced: set[str] = set()  # open turns whose speech_started was sent (voice detection opened them)
         self.spoken: list[int] = []  # the latest tokens of the turns done (they condition later ones if asked)
         self._ids = (f"{id_prefix}{n:04d}" for n in itertools.count(1))
         self.configure(options)
@@ -99,6 +100,8 @@ class LiveSession:
 
     def clear(self) -> list[LiveEvent]:
         """Drop the audio not committed (the open turn; its deltas stay sent)."""
+        if self.open is not None:
+            self.announced.discard(self.open.item_id)
         self.open, self.ring = None, self.ring[:0]
         return [Cleared()]
 
@@ -106,9 +109,11 @@ class LiveSession:
         """The stream has ended: the open turn ends where the audio does (a turn under 100 ms is dropped)."""
         turn = self.open
         if turn is None or turn.num_samples < MIN_COMMIT_SAMPLES:
+            if turn is not None:
+                self.announced.discard(turn.item_id)
             self.open = None
             return []
-        stopped = [SpeechStopped(turn.item_id, ms(self.received))] if self.detector is not None else []
+        stopped = [SpeechStopped(turn.item_id, ms(self.received))] if turn.item_id in self.announced else []
         return stopped + self._end(turn)
 
     def _new_turn(self, start: int) -> LiveTurn:
@@ -133,16 +138,20 @@ class LiveSession:
         self.open, self.ring = self._new_turn(boundary), self.ring[:0]
         if prefix is not None:
             self.open.append(prefix)
+        self.announced.add(self.open.item_id)
         return [SpeechStarted(self.open.item_id, ms(boundary))]
 
     def _speech_stopped(self, mark: Mark) -> list[LiveEvent]:
         turn = self.open
         if turn is None:  # cleared while speaking
             return []
-        return [SpeechStopped(turn.item_id, ms(mark.boundary)), *self._end(turn)]
+        # A turn opened by hand before voice detection was turned on had no speech_started: none stopped either.
+        stopped = [SpeechStopped(turn.item_id, ms(mark.boundary))] if turn.item_id in self.announced else []
+        return stopped + self._end(turn)
 
     def _end(self, turn: LiveTurn) -> list[LiveEvent]:
         turn.end()
+        self.announced.discard(turn.item_id)
         self.open = None
         self.ending.append(turn)
         previous, self.last_item = self.last_item, turn.item_id

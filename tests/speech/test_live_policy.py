@@ -165,3 +165,23 @@ def engine_run(engine, request):
         for out in engine.step():
             if out.finished:
                 return out
+
+
+def test_voice_detection_turned_on_mid_turn_stops_no_turn_it_did_not_start(model):
+    """A turn opened by hand (no turn detection) and ended by the voice detection turned on meanwhile was
+    announced by speech_stopped alone, with no speech_started before it; now it is committed without one."""
+    from pathlib import Path
+
+    from encdec_engine.inputs.audio import load_audio
+    from encdec_engine.speech.live_events import Committed, SpeechStarted, SpeechStopped
+    from encdec_engine.speech.live_session import LiveSession
+
+    speech = load_audio(Path(__file__).resolve().parents[2] / "prompts" / "audio" / "fox.wav")
+    session = LiveSession(model, LiveOptions(turn_detection=None))
+    assert session.append(speech[:16000]) == []  # a turn opens by hand: nothing announced
+    session.configure(LiveOptions(turn_detection=TurnDetection()))
+    events = session.append(np.concatenate([speech[16000:], np.zeros(3 * 16000, dtype=np.float32)]))
+    first = next(e for e in events if isinstance(e, Committed))
+    assert not any(isinstance(e, SpeechStopped) and e.item_id == first.item_id for e in events), events
+    started = {e.item_id for e in events if isinstance(e, SpeechStarted)}
+    assert all(e.item_id in started for e in events if isinstance(e, SpeechStopped)), events
