@@ -299,3 +299,6 @@ class SamplingParams:
             ids.update(eos_token_ids)
         return ids
 
+
+
+FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))  # what a request may set

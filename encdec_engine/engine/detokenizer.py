@@ -33,23 +33,18 @@ class Detokenizer:
             return ""
         # An id the tokenizer has no string for (a vocabulary padded past the tokenizer) adds no text, as in vLLM.
         seq.tokens.extend(t or "" for t in self.tokenizer.convert_ids_to_tokens([token_id]))
-        prefix = self._to_string(seq.tokens[seq.prefix_offset : seq.read_offset])
-        full = self._to_string(seq.tokens[seq.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
-            return ""
-        delta = full[len(prefix) :]
-        seq.prefix_offset = seq.read_offset
-        seq.read_offset = len(seq.tokens)
-        seq.output_text += delta
-        return delta
+        return self._advance(seq, hold_incomplete=True)
 
     def flush(self, seq: Sequence) -> str:
         """The sequence has ended: append the text held back for an incomplete character; return it."""
-        if not seq.tokens or seq.read_offset >= len(seq.tokens):
-            return ""
+        return self._advance(seq, hold_incomplete=False) if seq.tokens else ""
+
+    def _advance(self, seq: Sequence, hold_incomplete: bool) -> str:
+        """Append the text the window's unread tokens add (none yet if it ends in an incomplete character
+        and `hold_incomplete`); return it."""
         prefix = self._to_string(seq.tokens[seq.prefix_offset : seq.read_offset])
         full = self._to_string(seq.tokens[seq.prefix_offset :])
-        if len(full) <= len(prefix):
+        if len(full) <= len(prefix) or (hold_incomplete and full.endswith(_INCOMPLETE)):
             return ""
         delta = full[len(prefix) :]
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.tokens)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from encdec_engine.sampling_params import SamplingParams
+from encdec_engine.sampling_params import FIELD_NAMES, SamplingParams
 
 
 def load_prompt_file(path: str | Path) -> list[tuple[Any, dict[str, Any]]]:
@@ -28,18 +28,14 @@ def load_prompts_with_params(path: str | Path, base: dict[str, Any]) -> list[tup
     for i, (lineno, value, overrides) in enumerate(_entries(path)):
         params = {**base, **overrides}
         try:
+            unknown = sorted(set(overrides) - FIELD_NAMES)
+            if unknown:
+                raise ValueError(f"unknown field {unknown[0]!r}")
             SamplingParams(**params)
-        except TypeError as e:  # an unknown field: the dataclass's "unexpected keyword argument 'x'"
-            raise ValueError(f"{path}:{lineno}: prompt {i}: sampling_params: {_unknown_field(e)}") from None
         except ValueError as e:
             raise ValueError(f"{path}:{lineno}: prompt {i}: sampling_params: {e}") from None
         entries.append((value, params))
     return entries
-
-
-def _unknown_field(error: TypeError) -> str:
-    name = str(error).rsplit("argument", 1)[-1].strip(" '\"")
-    return f"unknown field {name!r}" if "unexpected keyword" in str(error) else str(error)
 
 
 def _entries(path: str | Path):

@@ -198,7 +198,7 @@ def uvicorn_server(config, state: ServerState):
             sessions = [c.finish() for c in list(state.realtime_connections)]
             if sessions:
                 logger.info("finishing %d realtime session(s)", len(sessions))
-                done, pending = await asyncio.wait([asyncio.ensure_future(s) for s in sessions],
+                _, pending = await asyncio.wait([asyncio.ensure_future(s) for s in sessions],
                                                    timeout=config.timeout_graceful_shutdown)
                 if pending:
                     logger.warning("%d realtime session(s) did not finish in time; closing them", len(pending))

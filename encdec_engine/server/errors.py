@@ -6,7 +6,6 @@ and the server log has the traceback under that id.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import uuid
@@ -14,7 +13,7 @@ import uuid
 from fastapi.responses import JSONResponse
 
 from encdec_engine.engine.async_engine import EngineDeadError
-from encdec_engine.sampling_params import SamplingParams
+from encdec_engine.sampling_params import FIELD_NAMES
 from encdec_engine.server import protocol as P
 
 logger = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ def _field_named(message: str) -> str | None:
     return word[1] if word and word[1] in _REQUEST_FIELDS else None
 
 
-_REQUEST_FIELDS = frozenset({f.name for f in dataclasses.fields(SamplingParams)} | {"prompt"})
+_REQUEST_FIELDS = FIELD_NAMES | {"prompt"}
 
 
 def internal_error(e: BaseException, request_id: str | None = None, where: str = "") -> APIError:
