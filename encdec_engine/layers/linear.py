@@ -21,9 +21,12 @@ relative). Elsewhere (CUDA, other dtypes, a torch built without oneDNN) everythi
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from functools import cache
 
 import torch
 from torch import nn
+
+from encdec_engine.layers.activation import ActivatedLinear, activate_output, get_activation
 
 _PACK_ROWS = 64  # row count oneDNN picks its packed layout for; measured best from 1 to 1,500 rows
 
@@ -50,6 +53,24 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Activations oneDNN applies inside the matmul (a post-op), as its `_linear_pointwise` names them.
+_POST_OPS = {"relu": ("relu", ""), "gelu": ("gelu", "none")}
+
+
+@cache
+def fuses_activation(name: str) -> bool:
+    """Whether oneDNN's post-op for the activation `name` gives `get_activation(name)`'s values bit for
+    bit on this machine (its kernels differ by CPU, so it is checked here, once, not assumed)."""
+    if name not in _POST_OPS or not onednn_packing_available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=generator) * 4  # outputs well into both tails
+    weight = torch.randn(512, 32, generator=generator) / 4
+    packed = pack_weight(weight)
+    fused = torch.ops.mkldnn._linear_pointwise(x, packed, None, _POST_OPS[name][0], [], _POST_OPS[name][1])
+    return torch.equal(fused, get_activation(name)(packed_linear(x, packed, None)))
+
+
 class PackedWeight:
     """An fp32 [out, in] weight in oneDNN's packed layout, ready for x @ w.T + b."""
 
@@ -68,24 +89,34 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed_weight", pack_weight(linear.weight), persistent=False)
         self.bias = linear.bias
+        self.activation: str | None = getattr(linear, "activation", None)  # an ActivatedLinear's
+        self._post_op = _POST_OPS[self.activation] if self.activation and fuses_activation(self.activation) \
+            else ("none", "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed_weight, self.bias)
+        attr, algorithm = self._post_op
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, attr, [], algorithm)
+        if self.activation is None or attr != "none":
+            return out
+        return activate_output(self.activation, out)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        fused = "" if self.activation is None else f", activation={self.activation}" + (
+            " (fused)" if self._post_op[0] != "none" else "")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                + fused)
 
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
                     applies: Callable[[torch.Tensor], bool], skip: Collection[nn.Module] = ()) -> int:
-    """Replace every `nn.Linear` whose weight `applies` (and that is not in `skip`) with `make(linear)`;
-    returns how many.
+    """Replace every `nn.Linear` (an ActivatedLinear included: `make` reads its `activation`) whose
+    weight `applies` (and that is not in `skip`) with `make(linear)`; returns how many.
 
     Called once, after the weights are loaded and moved: a replaced layer no longer holds
     `weight`, so a later load or `.to()` must not follow.
     """
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is nn.Linear and applies(child.weight) and not any(child is m for m in skip)]
+             if type(child) in (nn.Linear, ActivatedLinear) and applies(child.weight) and not any(child is m for m in skip)]
     for parent, name, child in swaps:
         setattr(parent, name, make(child))
     return len(swaps)

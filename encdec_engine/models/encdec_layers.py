@@ -18,7 +18,7 @@ from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.layer import Attention
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.attention.position_bias import PositionBias
-from encdec_engine.layers.activation import get_activation
+from encdec_engine.layers.activation import ActivatedLinear
 from encdec_engine.models.interface import KVCacheSpec
 
 
@@ -112,10 +112,9 @@ class EncDecLayer(nn.Module):
             self.encoder_attn = EncDecAttention(d, heads, AttentionType.ENCODER_DECODER, backend, prescale_query,
                                                 layer_index)
             self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, ffn)
+        self.fc1 = ActivatedLinear(d, ffn, config.activation_function)
         self.fc2 = nn.Linear(ffn, d)
         self.final_layer_norm = nn.LayerNorm(d)
-        self.act = get_activation(config.activation_function)
 
     def _residual(self, hidden: torch.Tensor, norm: nn.LayerNorm, block) -> torch.Tensor:
         if self.pre_norm:
@@ -128,7 +127,7 @@ class EncDecLayer(nn.Module):
         if self.encoder_attn is not None:
             hidden = self._residual(hidden, self.encoder_attn_layer_norm,
                                     lambda h: self.encoder_attn(h, kv_cache, metadata, encoder_hidden))
-        return self._residual(hidden, self.final_layer_norm, lambda h: self.fc2(self.act(self.fc1(h))))
+        return self._residual(hidden, self.final_layer_norm, lambda h: self.fc2(self.fc1(h)))
 
 
 def decoder_kv_cache_spec(config) -> KVCacheSpec:

@@ -20,7 +20,7 @@ from torch import nn
 from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.layer import Attention
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
-from encdec_engine.layers.activation import get_activation
+from encdec_engine.layers.activation import ActivatedLinear
 from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.models.interface import DecoderOnlyModel, KVCacheSpec
 from encdec_engine.checkpoints.weights import WeightLoader
@@ -66,13 +66,11 @@ class GPT2MLP(nn.Module):
         super().__init__()
         d = config.hidden_size
         inner = config.n_inner or 4 * d
-        self.c_fc = nn.Linear(d, inner)
+        self.c_fc = ActivatedLinear(d, inner, config.activation_function)
         self.c_proj = nn.Linear(inner, d)
-        name = config.activation_function
-        self.act = get_activation(name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(hidden)))
+        return self.c_proj(self.c_fc(hidden))
 
 
 class GPT2Block(nn.Module):

@@ -23,7 +23,7 @@ from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.attention.position_bias import PositionBias, t5_bucket_index, t5_position_bias
 from encdec_engine.checkpoints.generation_config import decoder_start_token_id
 from encdec_engine.checkpoints.weights import WeightLoader
-from encdec_engine.layers.activation import get_activation
+from encdec_engine.layers.activation import ActivatedLinear, get_activation
 from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.layers.norms import RMSNorm
 from encdec_engine.models.encdec_layers import EncDecAttention
@@ -39,13 +39,16 @@ class T5FeedForward(nn.Module):
         super().__init__()
         self.gated = config.is_gated_act
         self.d_ff = config.d_ff
-        self.wi = nn.Linear(config.d_model, (2 if self.gated else 1) * config.d_ff, bias=False)
+        if self.gated:  # the activation takes half of wi's output
+            self.wi = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)
+            self.act = get_activation(config.dense_act_fn)
+        else:
+            self.wi = ActivatedLinear(config.d_model, config.d_ff, config.dense_act_fn, bias=False)
         self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
-        self.act = get_activation(config.dense_act_fn)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.gated:
-            return self.wo(self.act(self.wi(hidden)))
+            return self.wo(self.wi(hidden))
         gate, linear = self.wi(hidden).split(self.d_ff, dim=-1)
         return self.wo(self.act(gate) * linear)
 

@@ -42,6 +42,7 @@ from functools import cache, partial
 import torch
 from torch import nn
 
+from encdec_engine.layers.activation import activate_output
 from encdec_engine.layers.linear import replace_linears
 
 INT8_MAX = 127  # symmetric range: -127..127 (CTranslate2's, and fbgemm's qint8 without -128)
@@ -240,15 +241,18 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_int8 = RowScaledInt8Weight.quantize(linear.weight, linear.bias) if rows \
             else Int8Weight.quantize(linear.weight, linear.bias, **kernel)
+        self.activation: str | None = getattr(linear, "activation", None)  # an ActivatedLinear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight_int8(x)
+        out = self.weight_int8(x)
+        return out if self.activation is None else activate_output(self.activation, out)
 
     def extra_repr(self) -> str:
         w = self.weight_int8
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={w.bias is not None}, "
                 f"int8 per-channel, " + ("activations per row" if w.decode_kernel == "rows"
-                                         else f"decode={w.decode_kernel}"))
+                                         else f"decode={w.decode_kernel}")
+                + ("" if self.activation is None else f", activation={self.activation}"))
 
 
 def is_float_cpu(weight: torch.Tensor) -> bool:
