@@ -25,6 +25,9 @@ class EngineConfig:
     # Mixed steps: every decode gets its token, prefills the budget left, a long decoder prompt a chunk
     # per step (engine/scheduler.py)
     enable_chunked_prefill: bool = False
+    # Admit a request only while the pool keeps room for what the running sequences are expected to still
+    # write (engine/scheduler.py); False: while it holds the prompts (vLLM's rule), growth preempting
+    reserve_decode_growth: bool = True
     max_model_len: int | None = None  # decoder positions; default: the model's limit
     seed: int = 0  # for unseeded random sampling
     skip_tokenizer_init: bool = False  # token ids in, token ids out

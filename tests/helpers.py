@@ -199,10 +199,10 @@ def naive_attention(q, k, v, scale, mask=None):
 
 
 def assert_preemption_keeps_outputs(make_llm, path, prompts, params, **tight) -> None:
-    """An engine built with `tight` (a pool too small for the batch; swap_space_gb to swap) preempts,
-    and still gives the tokens of a roomy pool."""
+    """An engine built with `tight` (a pool too small for the batch; swap_space_gb to swap), admitting
+    without room held back for growth, preempts, and still gives the tokens of a roomy pool."""
     roomy = make_llm(path, num_kv_blocks=400).generate(prompts, params, use_tqdm=False)
-    squeezed_llm = make_llm(path, **tight)
+    squeezed_llm = make_llm(path, reserve_decode_growth=False, **tight)  # vLLM's admission: growth preempts
     before = squeezed_llm.engine.scheduler.num_preemptions
     squeezed = squeezed_llm.generate(prompts, params, use_tqdm=False)
     assert squeezed_llm.engine.scheduler.num_preemptions > before, "the small pool should force preemption"

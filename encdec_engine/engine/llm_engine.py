@@ -74,8 +74,9 @@ class LLMEngine:
         num_blocks = self.kv_pool.num_blocks
         num_swap = int(config.swap_space_gb * _GiB // per_block)
         self.block_manager = BlockManager(bs, num_blocks, num_swap, enable_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, chunked_prefill=config.enable_chunked_prefill),
-                                   self.block_manager)
+        scheduling = SchedulerConfig(config.max_num_seqs, budget, chunked_prefill=config.enable_chunked_prefill,
+                                     reserve_decode_growth=config.reserve_decode_growth)
+        self.scheduler = Scheduler(scheduling, self.block_manager)
         self.cache_engine = CacheEngine(spec, bs, num_blocks, num_swap, self.kv_cache_dtype, self.device)
         self.runner = ModelRunner(self.model, loaded.backend, self.cache_engine, bs, self.device, config.seed)
         if hasattr(loaded.backend, "size_copies"):  # the CPU backend's head-major cross-context copies

@@ -175,7 +175,7 @@ def test_requests_sharing_a_cached_block_swap_out_in_one_step(bart_path, make_ll
               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
     roomy = _outputs(make_llm(bart_path, num_kv_blocks=600, block_size=4), prompts, params)
-    tight = make_llm(bart_path, num_kv_blocks=10, block_size=4, swap_space_gb=0.001)
+    tight = make_llm(bart_path, num_kv_blocks=10, block_size=4, swap_space_gb=0.001, reserve_decode_growth=False)
     before = tight.engine.scheduler.num_preemptions
     assert _outputs(tight, prompts, params)[1:] == roomy[1:]  # the first outgrows this pool: it ends early
     assert tight.engine.scheduler.num_preemptions > before
@@ -191,7 +191,7 @@ def test_a_recomputed_fork_group_shares_its_prefix_and_is_not_cut_short(config, 
           "decoder_prompt": {"prompt_token_ids": [2, 0] + list(range(100, 110))}},
          SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True))
     b = ({"prompt_token_ids": [0, 400, 401, 402, 2]}, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    llm = make_llm(bart_path, block_size=4, **config)
+    llm = make_llm(bart_path, block_size=4, reserve_decode_growth=False, **config)
     alone = _outputs(llm, [a[0]], [a[1]])[0]
     before = llm.engine.scheduler.num_preemptions
     together = _outputs(llm, [b[0], a[0]], [b[1], a[1]])  # b is older: a is preempted

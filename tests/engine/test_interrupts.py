@@ -19,9 +19,10 @@ from helpers import fresh_prompts, tokens
 from encdec_engine import SamplingParams
 
 # Two samples per prompt fork at the first token (a copy-on-write of the shared partial block); a pool
-# of 40 blocks with swap space preempts by swapping out and back in.
+# of 40 blocks with swap space, admitting without room held back for growth, preempts by swapping out
+# and back in.
 PARAMS = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=16, ignore_eos=True)
-ENGINE = dict(num_kv_blocks=40, block_size=4, swap_space_gb=0.01)
+ENGINE = dict(num_kv_blocks=40, block_size=4, swap_space_gb=0.01, reserve_decode_growth=False)
 
 
 @pytest.fixture(scope="module")

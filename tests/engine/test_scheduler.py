@@ -1,5 +1,7 @@
 """Scheduler behaviour without a model: continuous batching, budgets, preemption, abort."""
 
+import pytest
+
 from encdec_engine.engine.block_manager import BlockManager
 from encdec_engine.engine.scheduler import PreemptionMode, Scheduler, SchedulerConfig
 from encdec_engine.sequence import EncoderSequence, SequenceStatus
@@ -149,3 +151,61 @@ def test_decode_takes_a_block_only_at_a_block_boundary():
     meta, out = s.schedule()  # position 4 needs a block the pool can never give: ended, not stuck
     assert not meta and out.ignored == [g] and g.seqs[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED
     assert not s.has_unfinished() and bm.get_num_free_device_blocks() == 3
+
+
+def _grown(rid: str, max_tokens: int = 10) -> SequenceGroup:
+    """enc 8 (2 cross blocks) + decoder prompt 2 (1 self block), allowed 10 more tokens (2 more blocks)."""
+    return SequenceGroup(rid, [Sequence(next(_ids), [2] * 2)], SamplingParams(max_tokens=max_tokens), 0.0,
+                         EncoderSequence(num_positions=8), max_len=2 + max_tokens)
+
+
+def _run(s: Scheduler, stop_after: int | None = None) -> list[list[str]]:
+    """Step until done (each sequence stopping after `stop_after` outputs, else at max_len); the ids of
+    each step's groups."""
+    steps = []
+    while s.has_unfinished():
+        meta, _ = s.schedule()
+        steps.append([m.request_id for m in meta])
+        fake_step(s, meta)
+        for g in s.running:
+            seq = g.seqs[0]
+            if len(seq) >= g.max_len or (stop_after is not None and len(seq.data.output_token_ids) >= stop_after):
+                finish(g)
+        s.free_finished()
+    return steps
+
+
+def test_admission_holds_back_room_for_the_running_sequences_growth():
+    # 16 blocks: five prompts fit (3 blocks each), three grown requests do (5 each)
+    held = Scheduler(SchedulerConfig(), BlockManager(BS, 16))
+    optimistic = Scheduler(SchedulerConfig(reserve_decode_growth=False), BlockManager(BS, 16))
+    for s in (held, optimistic):
+        for i in range(6):
+            s.add(_grown(f"r{i}"))
+    steps = _run(held)
+    assert steps[0] == ["r0", "r1", "r2"] and held.num_preemptions == 0
+    assert held.block_manager.get_num_free_device_blocks() == 16
+    steps = _run(optimistic)  # vLLM's rule: admits five, then preempts as they grow
+    assert steps[0] == ["r0", "r1", "r2", "r3", "r4"] and optimistic.num_preemptions > 0
+
+
+def test_growth_estimate_learns_the_share_finished_sequences_used():
+    s = Scheduler(SchedulerConfig(), BlockManager(BS, 16))
+    assert s.growth.ratio == 1.0  # nothing finished yet: every sequence may use all of its tokens
+    for i in range(3):
+        s.add(_grown(f"a{i}"))
+    _run(s, stop_after=4)  # each stopped after 4 of its 10 tokens
+    assert s.growth.ratio == pytest.approx(0.4)
+    for i in range(6):
+        s.add(_grown(f"b{i}"))
+    meta, _ = s.schedule()
+    assert [m.request_id for m in meta] == ["b0", "b1", "b2", "b3"]  # 4 x (3 + 1 expected): more than 3
+    assert s.num_preemptions == 0
+
+
+def test_the_first_request_is_admitted_whatever_its_growth():
+    s = Scheduler(SchedulerConfig(), BlockManager(BS, 4))  # its prompt fits, its growth does not
+    g = _grown("only", max_tokens=40)
+    s.add(g)
+    meta, out = s.schedule()
+    assert out.is_prompt and [m.request_id for m in meta] == ["only"]

@@ -161,7 +161,8 @@ def test_prefix_caching_and_swapping_carry_the_scales(bart_path, make_llm):
         [[c.token_ids for c in o.outputs] for o in off.generate(prompts[:4], beams, use_tqdm=False)]
     prompts = mixed_prompts(on.get_tokenizer(), n=10, seed=6)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    squeezed = make_llm(bart_path, num_kv_blocks=24, block_size=4, swap_space_gb=0.01, kv_cache_dtype="int8")
+    squeezed = make_llm(bart_path, num_kv_blocks=24, block_size=4, swap_space_gb=0.01, kv_cache_dtype="int8",
+                        reserve_decode_growth=False)
     before = squeezed.engine.scheduler.num_preemptions
     assert tokens(squeezed, prompts, params) == tokens(off, prompts, params)
     assert squeezed.engine.scheduler.num_preemptions > before, "the small pool should force preemption"
