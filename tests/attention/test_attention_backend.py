@@ -323,7 +323,7 @@ def test_decode_self_reads_come_from_rows_that_follow_every_change_of_their_sequ
     growth past a block and past the rows' length, a sequence whose blocks change (copy-on-write: the
     same contents in other blocks), one that leaves, one that joins, and a block the cache engine
     rewrites, every sequence gets attention over exactly its own context."""
-    num_kv_heads, num_blocks = 2, 64
+    num_kv_heads, num_blocks = 2, 128
     cache = torch.zeros(2, num_blocks, BS, num_kv_heads, D)
     gen = torch.Generator().manual_seed(4)
     free = list(range(num_blocks - 1, 0, -1))
@@ -376,8 +376,24 @@ def test_decode_self_reads_come_from_rows_that_follow_every_change_of_their_sequ
         contexts[3][1][pos], contexts[3][2][pos] = cache[0, written, pos], cache[1, written, pos]
     backend.blocks_written([written])
     step([2, 3, 4])
+    for _ in range(30):  # long contexts, then a new wave beside them: each run of rows read at its own length
+        step([2, 3, 4])
+    view = step([2, 3, 4, *range(5, 45)])
+    assert [(first, after) for first, after, _ in view.plan.segments] == [(0, 3), (3, 43)]
+    assert [length for _, _, length in view.plan.segments] == [len(contexts[2][1]), 1]
     backend.release()
     assert not backend.self_rows.row_of and not backend.self_rows.storage
+
+
+def test_row_segments_split_where_rows_are_free_or_lengths_jump_and_merge_what_is_cheaper_together():
+    from encdec_engine.attention.backends.cpu_copies import SEGMENT_GAP, row_segments
+    assert row_segments([2, 0, 1], [40, 38, 41]) == [(0, 3, 41)]  # alike: one padded read
+    assert row_segments(list(range(40)), [60] * 10 + [5] * 30) == [(0, 10, 60), (10, 40, 5)]
+    far = 1 + SEGMENT_GAP + 20  # a row after many free ones
+    assert row_segments([0, 1, far], [60, 60, 60]) == [(0, 2, 60), (far, far + 1, 60)]
+    assert row_segments([0, 1, far], [7, 7, 7]) == [(0, far + 1, 7)]  # short: cheaper read together
+    # a short run beside a long one costs less padded into it than read on its own
+    assert row_segments([0, 1, 2], [60, 60, 5]) == [(0, 3, 60)]
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")

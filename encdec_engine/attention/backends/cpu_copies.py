@@ -14,6 +14,7 @@ the engine goes idle.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -227,6 +228,7 @@ class SelfRowsPlan:
     rows: torch.Tensor  # [num_seqs] each sequence's row
     high: int  # rows 0..high-1 are read (free rows among them are computed and ignored)
     length: int  # positions read: the longest context of the step
+    segments: list[tuple[int, int, int]]  # (first row, row after, positions): each read with its own matmuls
     key_mask: torch.Tensor  # [high, 1, 1, length] True = attend
     query_positions: torch.Tensor  # [high, 1] each row's query position
     append: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (sequences, rows, positions) to append
@@ -242,6 +244,37 @@ class SelfRowsPlan:
                 mask = bias.padded_mask(self.query_positions, self.key_mask, dtype)
             held = self.masks[id(bias) if bias is not None else None] = (bias, mask)
         return held[1]
+
+
+SEGMENT_COST = 256  # a segment's fixed cost (its own matmuls, softmax, mask), in rows x positions read
+SEGMENT_GAP = 8  # free rows that end a segment
+SEGMENT_SPREAD = 32  # positions a segment's rows may differ by from its first row's
+
+
+def row_segments(rows: list[int], lengths: list[int]) -> list[tuple[int, int, int]]:
+    """The rows read as contiguous runs, each at its own longest context: (first row, row after,
+    positions). One padded read of every row costs the longest context for all; a step where a new
+    wave of requests (a dozen positions) decodes beside the tail of an old one (sixty) would read
+    each new row at sixty. Runs start where rows are free for `SEGMENT_GAP` or the context length
+    jumps by more than `SEGMENT_SPREAD`; neighbours whose padded read together costs no more than
+    apart (with `SEGMENT_COST` a run) are merged again."""
+    order = sorted(zip(rows, lengths))
+    runs: list[list[int]] = []  # [first, after, longest, first row's length]
+    for row, m in order:
+        last = runs[-1] if runs else None
+        if last is None or row - (last[1] - 1) > SEGMENT_GAP or abs(m - last[3]) > SEGMENT_SPREAD:
+            runs.append([row, row + 1, m, m])
+        else:
+            last[1], last[2] = row + 1, max(last[2], m)
+    merged = [runs[0]]
+    for run in runs[1:]:
+        prev = merged[-1]
+        apart = (prev[1] - prev[0]) * prev[2] + (run[1] - run[0]) * run[2] + SEGMENT_COST
+        if (run[1] - prev[0]) * max(prev[2], run[2]) <= apart:
+            prev[1], prev[2] = run[1], max(prev[2], run[2])
+        else:
+            merged.append(run)
+    return [(first, after, longest) for first, after, longest, _ in merged]
 
 
 class SelfRows:
@@ -290,7 +323,7 @@ class SelfRows:
         """The step's plan, or None (state dropped) when its rows would not fit the budget."""
         bs, seq_ids, key_lens = self.block_size, view.seq_ids, view.key_lens_list
         for seq_id in set(self.row_of) - set(seq_ids):  # not decoding this step: its row goes
-            self.free.append(self.row_of.pop(seq_id))
+            heapq.heappush(self.free, self.row_of.pop(seq_id))
         tables = view.block_tables.numpy()
         rows, rebuild, append = [], [], ([], [], [])
         for i, (seq_id, m) in enumerate(zip(seq_ids, key_lens)):
@@ -302,7 +335,8 @@ class SelfRows:
                     column.append(value)
             else:
                 if row is None:
-                    row = self.free.pop() if self.free else len(self.have)
+                    # the lowest free row: sequences admitted together sit together (`row_segments`)
+                    row = heapq.heappop(self.free) if self.free else len(self.have)
                     if row == len(self.have):
                         self.have.append(0)
                         self.tables.append(tables[i, :0])
@@ -313,15 +347,15 @@ class SelfRows:
         length = max(key_lens)
         if length > self.length_cap:
             self.length_cap = -(-(length + 1) // self.LENGTH_STEP) * self.LENGTH_STEP
-        high = len(self.have)
-        if self.position_bytes * high * self.length_cap > self.budget:
+        if self.position_bytes * len(self.have) * self.length_cap > self.budget:
             self.clear()
             return None
-        have = torch.tensor(self.have)
+        high = max(rows) + 1
+        have = torch.tensor(self.have[:high])
         key_mask = (torch.arange(length)[None, :] < have[:, None])[:, None, None, :]
         as_tensors = tuple(torch.tensor(c) for c in append) if append[0] else None
-        return SelfRowsPlan(torch.tensor(rows), high, length, key_mask, (have - 1).clamp_(min=0)[:, None],
-                            as_tensors, rebuild)
+        return SelfRowsPlan(torch.tensor(rows), high, length, row_segments(rows, key_lens), key_mask,
+                            (have - 1).clamp_(min=0)[:, None], as_tensors, rebuild)
 
     @torch.inference_mode()
     def layer(self, kv_cache: torch.Tensor, head_dim: int, plan: SelfRowsPlan, view: AttentionView,

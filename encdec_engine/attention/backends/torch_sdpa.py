@@ -184,18 +184,22 @@ class TorchSDPABackend:
 
     def _attend_self_rows(self, query, key, value, kv_cache, view: AttentionView, scale: float,
                           position_bias: PositionBias | None) -> torch.Tensor:
-        """Decode self-attention over the sequences' rows (`SelfRows`): one padded matmul for all."""
+        """Decode self-attention over the sequences' rows (`SelfRows`): padded matmuls over runs of rows
+        (`row_segments`; one run when the contexts are alike)."""
         plan: SelfRowsPlan = view.plan
         head_dim, num_heads = query.shape[-1], query.shape[1]
         keys, values = self.self_rows.layer(kv_cache, head_dim, plan, view, key, value)
         num_kv_heads = keys.shape[1]
         group = num_heads // num_kv_heads
-        q = torch.zeros(plan.high, num_heads, head_dim)
-        q.index_copy_(0, plan.rows, query if scale == 1.0 else query * scale)
-        scores = torch.matmul(q.view(plan.high, num_kv_heads, group, head_dim), keys)  # [high, Hkv, G, L]
-        mask = plan.additive_mask(position_bias, scores.dtype)  # [high, 1 or H, 1, L]
-        scores += mask.view(plan.high, -1, group if mask.shape[1] > 1 else 1, plan.length)
-        o = torch.matmul(torch.softmax(scores, dim=-1), values)  # [high, Hkv, G, D]
+        q = torch.zeros(plan.high, num_kv_heads, group, head_dim)
+        q.view(plan.high, num_heads, head_dim).index_copy_(0, plan.rows, query if scale == 1.0 else query * scale)
+        mask = plan.additive_mask(position_bias, q.dtype)[:, :, 0]  # [high, 1 or H, L]
+        mask = mask.unflatten(1, (num_kv_heads, group)) if mask.shape[1] > 1 else mask[:, :, None]
+        o = torch.empty_like(q)  # [high, Hkv, G, D]
+        for first, after, length in plan.segments:
+            scores = torch.matmul(q[first:after], keys[first:after, :, :, :length])  # [n, Hkv, G, length]
+            scores += mask[first:after, :, :, :length]
+            torch.matmul(torch.softmax(scores, dim=-1), values[first:after, :, :length], out=o[first:after])
         return o.view(plan.high, num_heads, head_dim).index_select(0, plan.rows)
 
     def _attend_fresh(self, query, key, value, view: AttentionView, scale: float,
