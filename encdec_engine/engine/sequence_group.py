@@ -48,9 +48,10 @@ class Sequence:
         """Tokens the next forward pass must feed for this sequence."""
         return len(self.data) - self.data.num_computed_tokens
 
-    def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None) -> None:
+    def append_token(self, token_id: int, logprob: float | None, top_logprobs: dict[int, float] | None) -> None:
         self.data.output_token_ids.append(token_id)
-        self.cumulative_logprob += logprob
+        if logprob is not None:  # None: the request reads no log-probabilities (the sampler skipped them)
+            self.cumulative_logprob += logprob
         if top_logprobs is not None:
             self.output_logprobs.append(top_logprobs)
 

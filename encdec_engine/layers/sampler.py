@@ -12,7 +12,9 @@ from encdec_engine.layers.logits_processors import SamplingRow, apply_processors
 @dataclass
 class SampleResult:
     token_id: int
-    logprob: float  # log-probability under the processed distribution (before temperature)
+    # log-probability under the processed distribution (before temperature); None where the request
+    # reads none (no logprobs, no best_of ranking): its log-softmax over the vocabulary is skipped
+    logprob: float | None
     top_logprobs: dict[int, float] | None  # sampled token + the top-k, when logprobs were asked for
     error: str | None = None  # the row's processors raised: the sample is void, the request fails
 
@@ -46,7 +48,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         logits = logits.float()  # [num_rows, vocab]
         errors = apply_processors(logits, rows)
-        logprobs = logits.log_softmax(dim=-1)
+        scored = [i for i, r in enumerate(rows) if r.params.logprobs is not None or r.params.best_of > r.params.n]
+        if len(scored) == len(rows):
+            logprobs = logits.log_softmax(dim=-1)
+        elif scored:
+            logprobs = logits[torch.tensor(scored, device=logits.device)].log_softmax(dim=-1)
         token_ids = argmax_rows(logits)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
@@ -57,15 +63,20 @@ class Sampler:
             for j, i in enumerate(random_rows):
                 race[j].exponential_(generator=rows[i].generator or self.generator)
             token_ids[idx] = (probs / race).argmax(dim=-1)
-        chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
         token_list = token_ids.tolist()
+        chosen: list[float | None] = [None] * len(rows)
+        if scored:
+            picked = token_ids[scored] if len(scored) < len(rows) else token_ids
+            for i, value in zip(scored, logprobs.gather(1, picked[:, None])[:, 0].tolist()):
+                chosen[i] = value
+        at = {i: j for j, i in enumerate(scored)}  # row -> its row of logprobs
         results = []
         for i, row in enumerate(rows):
             top = None
             if row.params.logprobs is not None:
                 top = {token_list[i]: chosen[i]}
                 if row.params.logprobs > 0:
-                    values, ids = logprobs[i].topk(row.params.logprobs)
+                    values, ids = logprobs[at[i]].topk(row.params.logprobs)
                     top.update(zip(ids.tolist(), values.tolist()))
             results.append(SampleResult(token_list[i], chosen[i], top, errors.get(i)))
         return results

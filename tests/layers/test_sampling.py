@@ -198,3 +198,25 @@ def test_argmax_rows_is_torch_argmax():
     x[5, 3], x[5, 9] = float("inf"), float("nan")
     assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [int(x[0].argmax()), 0, 5, 10, 0, 9]
     assert argmax_rows(x.double()).tolist() == x.argmax(dim=-1).tolist()  # not float32: torch's own
+
+
+def test_only_rows_that_read_log_probabilities_get_them():
+    """The log-softmax over the vocabulary is computed for the rows whose request reads it (logprobs, best_of
+    ranking), with the values of the whole batch's; the others get their token and no log-probability."""
+    from encdec_engine.layers.sampler import Sampler
+    from encdec_engine.layers.sampling_state import RequestSampling
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, n=1, best_of=2)]
+    rows = [SamplingRow(p, [2], [], RequestSampling.build(p, [], 50, torch.device("cpu"))) for p in params]
+    results = Sampler()(logits.clone(), rows)
+    full = logits.log_softmax(dim=-1)
+    assert [r.token_id for r in results] == logits.argmax(dim=-1).tolist()
+    assert [r.logprob is None for r in results] == [True, False, True, False]
+    for i in (1, 3):
+        assert results[i].logprob == full[i, results[i].token_id].item()
+    values, ids = full[1].topk(2)
+    assert results[1].top_logprobs == {results[1].token_id: full[1].max().item(), **dict(zip(ids.tolist(), values.tolist()))}
+    assert all(r.logprob is not None for r in Sampler()(logits.clone(), [rows[1], rows[3]]))  # every row scored
+    assert [r.logprob for r in Sampler()(logits.clone(), [rows[0], rows[2]])] == [None, None]
