@@ -39,9 +39,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from encdec_engine.engine.block_manager import blocks_for
-
-from encdec_engine.engine.block_manager import AllocStatus, BlockManager
+from encdec_engine.engine.block_manager import AllocStatus, BlockManager, blocks_for
 from encdec_engine.sequence import SequenceStatus
 from encdec_engine.engine.sequence_group import Sequence, SequenceGroup
 from encdec_engine.worker.step_input import SequenceGroupMetadata
@@ -172,9 +170,11 @@ class Scheduler:
         """Whether admitting the waiting `group` (n sequences once forked) leaves the pool room for the
         running sequences' expected growth and its own; and the reserve with it admitted. Always
         True with nothing running, so that one request at least goes ahead."""
+        if not self.config.reserve_decode_growth:
+            return True, reserve
         waiting = group.get_seqs(SequenceStatus.WAITING)
         own = self.growth.blocks(group, waiting[:1], self.block_manager.block_size, ratio) * n
-        if not self.running or not self.config.reserve_decode_growth:
+        if not self.running:
             return True, reserve + own
         need = self.block_manager.prefill_need(group)[0]
         return self.block_manager.get_num_free_device_blocks() - need >= reserve + own, reserve + own
