@@ -116,7 +116,8 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
     `weight`, so a later load or `.to()` must not follow.
     """
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) in (nn.Linear, ActivatedLinear) and applies(child.weight) and not any(child is m for m in skip)]
+             if type(child) in (nn.Linear, ActivatedLinear) and applies(child.weight)
+             and not any(child is m for m in skip)]
     for parent, name, child in swaps:
         setattr(parent, name, make(child))
     return len(swaps)

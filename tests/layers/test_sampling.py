@@ -217,6 +217,7 @@ def test_only_rows_that_read_log_probabilities_get_them():
     for i in (1, 3):
         assert results[i].logprob == full[i, results[i].token_id].item()
     values, ids = full[1].topk(2)
-    assert results[1].top_logprobs == {results[1].token_id: full[1].max().item(), **dict(zip(ids.tolist(), values.tolist()))}
+    top = {results[1].token_id: full[1].max().item(), **dict(zip(ids.tolist(), values.tolist()))}
+    assert results[1].top_logprobs == top
     assert all(r.logprob is not None for r in Sampler()(logits.clone(), [rows[1], rows[3]]))  # every row scored
     assert [r.logprob for r in Sampler()(logits.clone(), [rows[0], rows[2]])] == [None, None]
