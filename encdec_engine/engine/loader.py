@@ -13,7 +13,7 @@ from torch import nn
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
-from encdec_engine.attention.ops import onednn_attention
+from encdec_engine.attention.ops import cpu_decode, onednn_attention
 from encdec_engine.worker.cpu_kernels import machine_plan, prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.encdec_layers import EncDecAttention
@@ -135,6 +135,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
         # Long prefill attention on the linears' library; in bf16 where int8 weights already trade exactness.
         bf16 = config.quantization == "int8" and onednn_attention.bf16_supported()
         backend.onednn_attention = torch.bfloat16 if bf16 else torch.float32
+    if (hasattr(backend, "fused_decode") and device.type == "cpu" and dtype == torch.float32
+            and config.kv_cache_dtype == "auto"):
+        backend.fused_decode = cpu_decode.load()  # decode reads straight from the fp32 pool, where it builds
 
     eos = hf_config.eos_token_id
     if isinstance(eos, list):

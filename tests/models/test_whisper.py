@@ -384,13 +384,19 @@ def test_query_scaling_folds_into_the_projection_bit_for_bit(head_dim, folds):
     assert not attn.fold_query_scaling()  # once only
 
 
-def test_a_lone_sequence_reads_its_caches_in_place(make_llm, monkeypatch):
-    """One request decoding alone (the one-file job): its cross table is a run and its self table grows
-    into the blocks after it, so every decode step reads both contexts in place, none gathered."""
-    from encdec_engine.attention.backends.torch_sdpa import SlicePlan
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_lone_sequence_reads_its_caches_in_place(kernel, make_llm, monkeypatch):
+    """One request decoding alone (the one-file job): every decode step reads both contexts in place, none
+    gathered: through the compiled kernel, or (without it) as slices, its cross table being a run and its
+    self table growing into the blocks after it."""
+    from encdec_engine.attention.backends.torch_sdpa import PagedDecodePlan, SlicePlan
 
     llm = make_llm(default_model_path(), enable_prefix_caching=False)
     backend, plans = llm.engine.runner.backend, []
+    if kernel and backend.fused_decode is None:
+        pytest.skip("the decode kernel does not build here")
+    if not kernel:
+        monkeypatch.setattr(backend, "fused_decode", None)
     plan = backend.plan
 
     def recording_plan(metadata):
@@ -402,4 +408,5 @@ def test_a_lone_sequence_reads_its_caches_in_place(make_llm, monkeypatch):
     features = log_mel_spectrogram([load_audio(AUDIO / "weather.wav")])[0]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # the self table spans 3 blocks
     llm.generate([{"prompt": "", "multi_modal_data": {"input_features": features}}], params, use_tqdm=False)
-    assert len(plans) == 39 and set(plans) == {(SlicePlan, SlicePlan)}
+    expected = PagedDecodePlan if kernel else SlicePlan
+    assert len(plans) == 39 and set(plans) == {(expected, expected)}

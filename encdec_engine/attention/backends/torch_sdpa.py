@@ -8,10 +8,13 @@ A position bias (attention/position_bias.py) becomes an additive mask of the
 same extent: [heads, q, k] per sequence shape, [num_seqs, heads, max_q, max_key]
 per padded batch (made once per step and bias, shared by the layers), or
 [heads, key_len] rows added to the scores of an in-place decode read.
-Decode reads of a cross context read in place (fp32, or an int8 pool's rows
-dequantized) go through a head-major copy of it (`HeadMajorContexts`), kept
-while decode steps read it; a decode step of several sequences reads their
-self contexts from rows it appends to (`SelfRows`; both in cpu_copies.py).
+Decode reads (one query per sequence) of an fp32 pool go straight to the pool
+through a compiled kernel where the machine has one (`PagedDecodePlan`,
+ops/cpu_decode.py). Otherwise decode reads of a cross context read in place (fp32,
+or an int8 pool's rows dequantized) go through a head-major copy of it
+(`HeadMajorContexts`), kept while decode steps read it; a decode step of several
+sequences reads their self contexts from rows it appends to (`SelfRows`; both in
+cpu_copies.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from encdec_engine.attention.backends.cpu_copies import (HEAD_MAJOR_BUDGET, Head
 from encdec_engine.quantization.kv_int8 import as_stored, attend_int8_rows, num_groups, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
 from encdec_engine.attention.ops import onednn_attention
+from encdec_engine.attention.ops.cpu_decode import DecodeKernel
 from encdec_engine.attention.position_bias import PositionBias
 
 _SLICE_MIN_KEYS = 128  # below this, one padded gather beats a loop over sequences (a lone one reads in place)
@@ -83,6 +87,44 @@ class SlicePlan:
         return cls(starts, dict(readers))
 
 
+@dataclass
+class PagedDecodePlan:
+    """A decode view read straight from the pool by the compiled kernel (ops/cpu_decode.py): the step's
+    block tables and lengths as it takes them, scratch for the scores, and each position bias's mask,
+    made once and shared by the layers."""
+
+    tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    lens: torch.Tensor  # [num_seqs] int64
+    max_len: int
+    _scratch: dict = field(default_factory=dict)  # num_heads -> (scores, probabilities) [num_seqs, H, max_len]
+    _masks: dict = field(default_factory=dict)  # id(bias) -> (bias, [num_seqs, H, max_len] additive mask)
+
+    @classmethod
+    def of(cls, view: AttentionView) -> PagedDecodePlan | None:
+        """The plan if every sequence of the view has exactly one query over the cache, else None."""
+        if (view.max_query_len != 1 or view.query_start_loc_list[-1] != view.num_seqs
+                or view.block_tables.device.type != "cpu"):
+            return None
+        return cls(view.block_tables.to(torch.int64).contiguous(), view.key_lens.to(torch.int64).contiguous(),
+                   view.max_key_len)
+
+    def scratch(self, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self._scratch.get(num_heads)
+        if held is None:
+            shape = (self.lens.shape[0], num_heads, self.max_len)
+            held = self._scratch[num_heads] = (torch.empty(shape), torch.empty(shape))
+        return held
+
+    def bias_mask(self, bias: PositionBias, dtype: torch.dtype) -> torch.Tensor:
+        """[num_seqs, H, max_len]: each sequence's query sits at its last key."""
+        held = self._masks.get(id(bias))
+        if held is None:  # the bias is held with its mask: its id stays its own
+            key_mask = (torch.arange(self.max_len) < self.lens[:, None])[:, None, None, :]
+            mask = bias.padded_mask((self.lens - 1)[:, None], key_mask, dtype)[:, :, 0]
+            held = self._masks[id(bias)] = (bias, mask)
+        return held[1]
+
+
 def plan_gather(view: AttentionView, block_size: int) -> GatherPlan:
     assert view.block_tables is not None
     max_key = view.max_key_len
@@ -127,6 +169,9 @@ class TorchSDPABackend:
         # Long bidirectional prefill attention through oneDNN matmuls in this dtype (ops/onednn_attention.py);
         # None: off. The loader turns it on where the machine's fp32 linears run on oneDNN.
         self.onednn_attention: torch.dtype | None = None
+        # Decode reads of an fp32 pool through the compiled kernel (ops/cpu_decode.py); None: through the
+        # copies. The loader sets it for fp32 pools on the CPU where the kernel builds.
+        self.fused_decode: DecodeKernel | None = None
 
     def blocks_written(self, blocks: list[int]) -> None:
         """The cache engine moved or copied K/V into these blocks."""
@@ -153,6 +198,10 @@ class TorchSDPABackend:
             if view is not None:
                 self.head_major.slots_written(view.slot_mapping)
             if view is not None and view.reads_cache:
+                if self.fused_decode is not None:
+                    view.plan = PagedDecodePlan.of(view)
+                    if view.plan is not None:
+                        continue
                 if (view.seq_ids is not None and view.causal and view.max_query_len == 1 and view.num_seqs > 1
                         and view.block_tables.device.type == "cpu"):
                     view.plan = self.self_rows.plan(view)  # several sequences decoding: their self rows
@@ -175,12 +224,23 @@ class TorchSDPABackend:
             store_kv(key, value, kv_cache, view.slot_mapping)
             if not view.reads_cache:  # attend to the K/V as the cache holds them (int8: rounded)
                 key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
+        if isinstance(view.plan, PagedDecodePlan):
+            return self._attend_paged(query, kv_cache, view.plan, scale, position_bias)
         if isinstance(view.plan, SelfRowsPlan) and query.dtype == torch.float32 and kv_cache.dtype in (torch.float32,
                                                                                                     torch.int8):
             return self._attend_self_rows(query, key, value, kv_cache, view, scale, position_bias)
         if view.reads_cache:
             return self._attend_cache(query, kv_cache, view, scale, position_bias)
         return self._attend_fresh(query, key, value, view, scale, position_bias)
+
+    def _attend_paged(self, query, kv_cache, plan: PagedDecodePlan, scale: float | None,
+                      position_bias: PositionBias | None) -> torch.Tensor:
+        """One query per sequence over its cached keys, read from the pool by the compiled kernel."""
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        q = query if scale == 1.0 else query * scale
+        mask = None if position_bias is None else plan.bias_mask(position_bias, q.dtype)
+        return self.fused_decode.attend(q, kv_cache, plan.tables, plan.lens, plan.max_len, mask,
+                                        plan.scratch(q.shape[1]))
 
     def _attend_self_rows(self, query, key, value, kv_cache, view: AttentionView, scale: float,
                           position_bias: PositionBias | None) -> torch.Tensor:

@@ -1,0 +1,191 @@
+"""Decode attention read straight from the paged fp32 KV pool on the CPU, through one C kernel.
+
+A decode step has one query per sequence and head. torch has no kernel for that shape over a paged
+pool: as batched matmuls each (sequence, head) is a product of one row, whose fixed cost outweighs
+its bytes (BART-base, 256 sequences at 33 positions: 3,072 products of [1, 64] x [64, 33] read at
+~14 GB/s), and the pool's layout [slot, head, dim] first needs head-major copies of the contexts.
+`cpu_decode.c` walks each sequence's blocks in order instead, every head of a key row at once,
+prefetching the rows ahead: the scores (q . k for every key and head), the softmax in torch, then the
+probabilities times the values, each pass reading the pool once at near the memory's speed. A few
+sequences (Whisper at batch 1) split their keys into runs instead, one task each.
+`scripts/bench_decode_attention.py` times it against the copies' reads.
+
+The kernel is compiled at first use for this machine (`cc -O3 -march=native -fopenmp`: AVX-512 on a
+Zen 4/5, AVX2 on a Zen 3), linked to the OpenMP runtime torch loaded so that both share one thread
+pool, checked once against torch on a small case, and kept under the model cache (`kernels/`, one
+library per source, flags, compiler and CPU). Where it cannot be had (no C compiler, torch without
+its own libgomp, a failed check) or `ENCDEC_FUSED_DECODE=0`, the log says why once and the backend
+reads through its copies (`attention/backends/cpu_copies.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from encdec_engine.cache import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+TASKS_PER_THREAD = 4  # few sequences: split each one's keys into runs until the threads have this many tasks
+MIN_RUN = 64  # keys: a shorter run costs more in its partial sums than it spreads
+
+_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class DecodeKernel:
+    """The compiled kernel: `attend` reads one decode step's attention for a layer."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._scores, self._values = library.decode_scores, library.decode_values
+        self._scores.argtypes = [_P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _C]
+        self._values.argtypes = [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _C]
+        self._scores.restype = self._values.restype = None
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+               max_len: int, mask: torch.Tensor | None = None,
+               scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """softmax(query . keys + mask) @ values for each sequence's one query over its cached keys.
+
+        query [S, H, D] fp32 (scaled; its last dim contiguous), kv_cache [2, blocks, block_size, Hkv, W]
+        fp32 (contiguous, W >= D), tables [S, >= ceil(max_len / block_size)] int64 block ids, lens [S]
+        int64 keys per sequence (1..max_len), mask None or [S, H, max_len] added to the scores (a
+        position bias; the kernel itself puts -inf past each sequence's length). `scratch`: two [S, H, max_len]
+        fp32 tensors for the scores and probabilities, reused by a step's layers. Returns [S, H, D]."""
+        num_seqs, num_heads, head_dim = query.shape
+        _, _, block_size, num_kv_heads, width = kv_cache.shape
+        if (kv_cache.dtype != torch.float32 or query.dtype != torch.float32 or not kv_cache.is_contiguous()
+                or query.stride(-1) != 1 or width < head_dim or num_heads % num_kv_heads
+                or tables.dtype != torch.int64 or lens.dtype != torch.int64 or not tables.is_contiguous()
+                or not lens.is_contiguous() or max_len > tables.shape[1] * block_size):
+            raise ValueError(f"decode kernel: unsupported operands (query {tuple(query.shape)} {query.dtype}, "
+                             f"cache {tuple(kv_cache.shape)} {kv_cache.dtype}, tables {tuple(tables.shape)})")
+        threads = torch.get_num_threads()
+        splits = max(1, min(math.ceil(TASKS_PER_THREAD * threads / max(num_seqs, 1)), max_len // MIN_RUN))
+        common = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
+                  width, block_size, max_len, splits)
+        shape = (num_seqs, num_heads, max_len)
+        scores, probs = scratch or (torch.empty(shape), torch.empty(shape))
+        self._scores(query.data_ptr(), query.stride(0), query.stride(1), kv_cache[0].data_ptr(), *common,
+                     scores.data_ptr(), threads)
+        if mask is not None:
+            scores += mask
+        torch.softmax(scores, dim=-1, out=probs)
+        out = torch.empty(num_seqs, num_heads, head_dim)
+        partial = torch.empty(num_seqs, splits, num_heads, head_dim) if splits > 1 else out  # (unread at 1)
+        self._values(probs.data_ptr(), kv_cache[1].data_ptr(), *common, partial.data_ptr(), out.data_ptr(), threads)
+        return out
+
+
+def _openmp_runtime() -> Path | None:
+    """The libgomp torch loaded (pip wheels carry their own in torch/lib); linking the kernel to it keeps
+    one OpenMP thread pool in the process."""
+    found = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    if found:
+        return found[0]
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        for line in maps.read_text().splitlines():
+            path = line.split()[-1]
+            if "libgomp" in Path(path).name:
+                return Path(path)
+    return None
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _machine() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build(compiler: str, openmp: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, f"-L{openmp.parent}", f"-Wl,-rpath,{openmp.parent}",
+                        f"-l:{openmp.name}"], check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)  # whole or not at all: another process may be building the same one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _check(kernel: DecodeKernel) -> float:
+    """Largest difference from torch on a small paged case (GQA, ragged lengths, blocks out of order)."""
+    gen = torch.Generator().manual_seed(0)
+    block_size, heads, kv_heads, dim, lens = 4, 4, 2, 24, [1, 7, 12]
+    cache = torch.randn(2, 12, block_size, kv_heads, dim, generator=gen)
+    tables = torch.tensor([[5, 0, 0], [3, 9, 0], [11, 1, 6]])
+    query = torch.randn(len(lens), heads, dim, generator=gen)
+    got = kernel.attend(query, cache, tables, torch.tensor(lens), max(lens))
+    worst = 0.0
+    for i, n in enumerate(lens):
+        slots = tables[i, torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+        k = cache[0].reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        v = cache[1].reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        want = torch.softmax(query[i, :, None] @ k.transpose(1, 2), -1) @ v  # [H, 1, D]
+        worst = max(worst, (got[i] - want[:, 0]).abs().max().item())
+    return worst
+
+
+@functools.cache
+def load() -> DecodeKernel | None:
+    """The kernel for this machine (built on first use), or None with the reason logged once."""
+    if os.environ.get("ENCDEC_FUSED_DECODE", "1") == "0":
+        logger.info("fused CPU decode attention off (ENCDEC_FUSED_DECODE=0): decode reads use head-major copies")
+        return None
+    if not sys.platform.startswith("linux"):
+        return _unavailable(f"built on Linux only, not {sys.platform}")
+    openmp, compiler = _openmp_runtime(), _compiler()
+    if openmp is None:
+        return _unavailable("torch's OpenMP runtime (libgomp) not found")
+    if compiler is None:
+        return _unavailable("no C compiler (set CC, or install gcc)")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return _unavailable(f"{compiler} does not run: {e}")
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, str(openmp), _machine()])
+                         .encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"cpu_decode-{key}.so"
+    if not target.exists():
+        try:
+            _build(compiler, openmp, target)
+        except subprocess.CalledProcessError as e:
+            return _unavailable(f"{compiler} failed: {(e.stderr or '').strip()[-800:]}")
+        except (OSError, subprocess.SubprocessError) as e:
+            return _unavailable(f"building {target} failed: {e}")
+        logger.info("built the fused CPU decode attention kernel: %s", target)
+    try:
+        kernel = DecodeKernel(ctypes.CDLL(str(target)), target)
+    except OSError as e:
+        return _unavailable(f"loading {target} failed: {e}")
+    worst = _check(kernel)
+    if not worst < 1e-5:
+        return _unavailable(f"{target} differs from torch by {worst:.3g} on the check case")
+    return kernel
+
+
+def _unavailable(reason: str) -> None:
+    logger.warning("fused CPU decode attention unavailable (%s); decode reads use head-major copies", reason)
+    return None
