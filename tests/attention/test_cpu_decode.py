@@ -81,6 +81,10 @@ def test_kernel_reads_strided_queries_and_refuses_what_it_cannot_read():
         KERNEL.attend(query, cache.to(torch.int8), tables, torch.tensor([6, 3]), 6)
     with pytest.raises(ValueError, match="unsupported operands"):  # longer than the tables reach
         KERNEL.attend(query, cache, tables, torch.tensor([6, 9]), 9)
+    with pytest.raises(ValueError, match="outside the pool"):  # a block id past the pool's end
+        KERNEL.attend(query, cache, tables + cache.shape[1], torch.tensor([6, 3]), 6)
+    with pytest.raises(ValueError, match="outside the pool"):  # a length past the reads' extent
+        KERNEL.attend(query, cache, tables, torch.tensor([7, 3]), 6)
 
 
 @needs_kernel

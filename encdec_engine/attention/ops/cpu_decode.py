@@ -74,6 +74,10 @@ class DecodeKernel:
                 or not lens.is_contiguous() or max_len > tables.shape[1] * block_size):
             raise ValueError(f"decode kernel: unsupported operands (query {tuple(query.shape)} {query.dtype}, "
                              f"cache {tuple(kv_cache.shape)} {kv_cache.dtype}, tables {tuple(tables.shape)})")
+        if num_seqs and (int(lens.min()) < 1 or int(lens.max()) > max_len or int(tables.min()) < 0
+                         or int(tables.max()) >= kv_cache.shape[1]):  # the C code trusts them: no reads outside
+            raise ValueError(f"decode kernel: lengths {lens.min()}..{lens.max()} (of at most {max_len}) or block ids "
+                             f"{tables.min()}..{tables.max()} outside the pool's {kv_cache.shape[1]} blocks")
         threads = torch.get_num_threads()
         splits = max(1, min(math.ceil(TASKS_PER_THREAD * threads / max(num_seqs, 1)), max_len // MIN_RUN))
         common = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
