@@ -1,6 +1,7 @@
 """The compiled decode-attention kernel (attention/ops/cpu_decode.py): against naive attention over a paged
 pool, through the backend against its copies, in the engine, and how it is built, kept and refused."""
 
+import ctypes
 import logging
 import os
 import shutil
@@ -258,5 +259,21 @@ def test_a_library_without_the_kernels_functions_falls_back_with_the_reason(tmp_
     try:
         assert cpu_decode.load() is None  # was an AttributeError at model load
         assert "is not this kernel" in caplog.text and "decode_scores" in caplog.text
+    finally:
+        cpu_decode.load.cache_clear()
+
+
+def test_operands_laid_out_unlike_the_c_struct_are_refused_at_load(tmp_path, monkeypatch, caplog):
+    """The kernel's operands travel as one struct, named in C and in Python alike; the library reports its
+    size and offsets and a difference (here `threads` as a 32-bit int) is refused before any call."""
+    if KERNEL is None:
+        pytest.skip("the decode kernel does not build here")
+    fields = [(name, ctypes.c_int32 if name == "threads" else kind) for name, kind in cpu_decode.DecodeArgs._fields_]
+    monkeypatch.setattr(cpu_decode, "DecodeArgs", type("Shifted", (ctypes.Structure,), {"_fields_": fields}))
+    monkeypatch.setenv("ENCDEC_CACHE", str(tmp_path))
+    cpu_decode.load.cache_clear()
+    try:
+        assert cpu_decode.load() is None
+        assert "its struct decode_args (21 fields, 168 bytes" in caplog.text and "is not DecodeArgs" in caplog.text
     finally:
         cpu_decode.load.cache_clear()

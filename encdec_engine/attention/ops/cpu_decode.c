@@ -14,7 +14,40 @@
  * (as any BLAS does); nothing else differs from the textbook loops.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
+
+/* One call's operands. cpu_decode.py's DecodeArgs mirrors it field for field; decode_args_layout lets
+ * it compare sizes and offsets once after the build, so no operand can land in another's place. */
+struct decode_args {
+    const float *query;                        /* [S, H, >= D]: sequences and heads strides apart */
+    int64_t query_seq_stride, query_head_stride;
+    const float *keys, *values;                /* the pool's halves: [blocks * block_size, Hkv, W] */
+    const int64_t *tables;                     /* [S, table_width] block ids */
+    int64_t table_width;
+    const int64_t *lens;                       /* [S] keys of each sequence, 1..max_len */
+    int64_t num_seqs, num_heads, num_kv_heads, head_dim, width, block_size, max_len, splits;
+    float *scores;                             /* [S, H, max_len]: decode_scores writes */
+    const float *probs;                        /* [S, H, max_len]: decode_values reads */
+    float *partial;                            /* [S, splits, H, D] when splits > 1 */
+    float *out;                                /* [S, H, D] */
+    int64_t threads;
+};
+
+#define DECODE_ARGS_FIELDS(F) F(query) F(query_seq_stride) F(query_head_stride) F(keys) F(values) F(tables) \
+    F(table_width) F(lens) F(num_seqs) F(num_heads) F(num_kv_heads) F(head_dim) F(width) F(block_size) \
+    F(max_len) F(splits) F(scores) F(probs) F(partial) F(out) F(threads)
+#define PLACE(name) offsetof(struct decode_args, name), sizeof(((struct decode_args *)0)->name),
+
+/* layout[:capacity] = [sizeof(struct decode_args), number of fields, each field's offset and size in order]. */
+void decode_args_layout(int64_t *layout, int64_t capacity) {
+    const int64_t places[] = {DECODE_ARGS_FIELDS(PLACE)};
+    const int64_t n = sizeof(places) / sizeof(places[0]);
+    if (capacity < 2) return;
+    layout[0] = sizeof(struct decode_args);
+    layout[1] = n / 2;
+    for (int64_t i = 0; i < n && 2 + i < capacity; i++) layout[2 + i] = places[i];
+}
 
 #define AHEAD 2
 
@@ -34,10 +67,14 @@ static inline void run_of(int64_t len, int64_t splits, int64_t c, int64_t *first
     *end = *first + per < len ? *first + per : len;
 }
 
-void decode_scores(const float *q, int64_t q_stride_s, int64_t q_stride_h, const float *k,
-                   const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t S, int64_t H,
-                   int64_t Hkv, int64_t D, int64_t W, int64_t bs, int64_t lmax, int64_t splits, float *scores,
-                   int threads) {
+void decode_scores(const struct decode_args *a) {
+    const float *q = a->query, *k = a->keys;
+    const int64_t *tables = a->tables, *lens = a->lens;
+    const int64_t q_stride_s = a->query_seq_stride, q_stride_h = a->query_head_stride, table_stride = a->table_width;
+    const int64_t S = a->num_seqs, H = a->num_heads, Hkv = a->num_kv_heads, D = a->head_dim, W = a->width;
+    const int64_t bs = a->block_size, lmax = a->max_len, splits = a->splits;
+    float *scores = a->scores;
+    const int threads = (int)a->threads;
     const int64_t G = H / Hkv, row = Hkv * W, span = ((Hkv - 1) * W + D) * (int64_t)sizeof(float);
     const int shift = __builtin_ctzll(bs);
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
@@ -67,9 +104,14 @@ void decode_scores(const float *q, int64_t q_stride_s, int64_t q_stride_h, const
     }
 }
 
-void decode_values(const float *probs, const float *v, const int64_t *tables, int64_t table_stride,
-                   const int64_t *lens, int64_t S, int64_t H, int64_t Hkv, int64_t D, int64_t W, int64_t bs,
-                   int64_t lmax, int64_t splits, float *partial, float *out, int threads) {
+void decode_values(const struct decode_args *a) {
+    const float *probs = a->probs, *v = a->values;
+    const int64_t *tables = a->tables, *lens = a->lens;
+    const int64_t table_stride = a->table_width;
+    const int64_t S = a->num_seqs, H = a->num_heads, Hkv = a->num_kv_heads, D = a->head_dim, W = a->width;
+    const int64_t bs = a->block_size, lmax = a->max_len, splits = a->splits;
+    float *partial = a->partial, *out = a->out;
+    const int threads = (int)a->threads;
     const int64_t G = H / Hkv, row = Hkv * W, span = ((Hkv - 1) * W + D) * (int64_t)sizeof(float);
     const int shift = __builtin_ctzll(bs);
 #pragma omp parallel num_threads(threads)

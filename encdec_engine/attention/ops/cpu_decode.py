@@ -48,7 +48,17 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 TASKS_PER_THREAD = 4  # few sequences: split each one's keys into runs until the threads have this many tasks
 MIN_RUN = 64  # keys: a shorter run costs more in its partial sums than it spreads
 
-_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class DecodeArgs(ctypes.Structure):
+    """cpu_decode.c's `struct decode_args`, field for field (checked against the library's own layout
+    when it loads): the operands of one call, by name."""
+
+    _fields_ = [("query", _P), ("query_seq_stride", _I), ("query_head_stride", _I), ("keys", _P), ("values", _P),
+                ("tables", _P), ("table_width", _I), ("lens", _P), ("num_seqs", _I), ("num_heads", _I),
+                ("num_kv_heads", _I), ("head_dim", _I), ("width", _I), ("block_size", _I), ("max_len", _I),
+                ("splits", _I), ("scores", _P), ("probs", _P), ("partial", _P), ("out", _P), ("threads", _I)]
 
 
 class DecodeKernel:
@@ -57,9 +67,9 @@ class DecodeKernel:
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self._scores, self._values = library.decode_scores, library.decode_values
-        self._scores.argtypes = [_P, _I, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _C]
-        self._values.argtypes = [_P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _C]
-        self._scores.restype = self._values.restype = None
+        for function in (self._scores, self._values):
+            function.argtypes, function.restype = [ctypes.POINTER(DecodeArgs)], None
+        _check_layout(library)
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                max_len: int, mask: torch.Tensor | None = None,
@@ -85,19 +95,37 @@ class DecodeKernel:
                              f"{tables.min()}..{tables.max()} outside the pool's {kv_cache.shape[1]} blocks")
         threads = torch.get_num_threads()
         splits = max(1, min(math.ceil(TASKS_PER_THREAD * threads / max(num_seqs, 1)), max_len // MIN_RUN))
-        common = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-                  width, block_size, max_len, splits)
         shape = (num_seqs, num_heads, max_len)
         scores, probs = scratch or (torch.empty(shape), torch.empty(shape))
-        self._scores(query.data_ptr(), query.stride(0), query.stride(1), kv_cache[0].data_ptr(), *common,
-                     scores.data_ptr(), threads)
+        out = torch.empty(num_seqs, num_heads, head_dim)
+        partial = torch.empty(num_seqs, splits, num_heads, head_dim) if splits > 1 else out  # (unread at 1)
+        args = DecodeArgs(query=query.data_ptr(), query_seq_stride=query.stride(0), query_head_stride=query.stride(1),
+                          keys=kv_cache[0].data_ptr(), values=kv_cache[1].data_ptr(), tables=tables.data_ptr(),
+                          table_width=tables.shape[1], lens=lens.data_ptr(), num_seqs=num_seqs, num_heads=num_heads,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim, width=width, block_size=block_size,
+                          max_len=max_len, splits=splits, scores=scores.data_ptr(), probs=probs.data_ptr(),
+                          partial=partial.data_ptr(), out=out.data_ptr(), threads=threads)
+        self._scores(ctypes.byref(args))
         if mask is not None:
             scores += mask
         torch.softmax(scores, dim=-1, out=probs)
-        out = torch.empty(num_seqs, num_heads, head_dim)
-        partial = torch.empty(num_seqs, splits, num_heads, head_dim) if splits > 1 else out  # (unread at 1)
-        self._values(probs.data_ptr(), kv_cache[1].data_ptr(), *common, partial.data_ptr(), out.data_ptr(), threads)
+        self._values(ctypes.byref(args))
         return out
+
+
+def _check_layout(library: ctypes.CDLL) -> None:
+    """Raises Unavailable unless the library's `struct decode_args` has DecodeArgs' size, and each field
+    its offset and size."""
+    want = [place for name, _ in DecodeArgs._fields_ for place in (getattr(DecodeArgs, name).offset,
+                                                                    getattr(DecodeArgs, name).size)]
+    layout = (ctypes.c_int64 * (2 + len(want) + 2))()  # room for one more field: a library with more shows it
+    library.decode_args_layout.argtypes, library.decode_args_layout.restype = [ctypes.POINTER(ctypes.c_int64), _I], None
+    library.decode_args_layout(layout, len(layout))
+    size, count = layout[0], layout[1]
+    places = list(layout[2 : 2 + min(2 * count, len(want) + 2)])
+    if size != ctypes.sizeof(DecodeArgs) or places != want:
+        raise Unavailable(f"its struct decode_args ({count} fields, {size} bytes, offsets and sizes {places}) is not "
+                          f"DecodeArgs ({len(DecodeArgs._fields_)} fields, {ctypes.sizeof(DecodeArgs)} bytes, {want})")
 
 
 def _openmp_runtime() -> Path | None:
