@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -13,27 +12,32 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# The public names, imported on first use: `encdec --help` and argument checks must not pay for torch.
-_EXPORTS = {
-    "LLM": "encdec_engine.llm",
-    "SamplingParams": "encdec_engine.sampling_params",
-    "RequestOutput": "encdec_engine.outputs",
-    "CompletionOutput": "encdec_engine.outputs",
-    "TextPrompt": "encdec_engine.inputs.prompts",
-    "TokensPrompt": "encdec_engine.inputs.prompts",
-    "ExplicitEncoderDecoderPrompt": "encdec_engine.inputs.prompts",
-}
-__all__ = list(_EXPORTS)
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt",
+           "ExplicitEncoderDecoderPrompt"]
 
 
 def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
+    """The public names, imported on first use (lazy: `encdec_engine.llm` takes 4 s to import, torch and
+    transformers included, which `encdec --help` and the CLI's argument checks must not pay)."""
+    if name == "LLM":
+        from encdec_engine.llm import LLM as value  # lazy: torch, transformers (4 s)
+    elif name == "SamplingParams":
+        from encdec_engine.sampling_params import SamplingParams as value  # lazy: as the others
+    elif name == "RequestOutput":
+        from encdec_engine.outputs import RequestOutput as value  # lazy: as the others
+    elif name == "CompletionOutput":
+        from encdec_engine.outputs import CompletionOutput as value  # lazy: as the others
+    elif name == "TextPrompt":
+        from encdec_engine.inputs.prompts import TextPrompt as value  # lazy: as the others
+    elif name == "TokensPrompt":
+        from encdec_engine.inputs.prompts import TokensPrompt as value  # lazy: as the others
+    elif name == "ExplicitEncoderDecoderPrompt":
+        from encdec_engine.inputs.prompts import ExplicitEncoderDecoderPrompt as value  # lazy: as the others
+    else:
         raise AttributeError(f"module 'encdec_engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted([*globals(), *__all__])

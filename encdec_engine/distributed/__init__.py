@@ -18,16 +18,19 @@ from __future__ import annotations
 
 __all__ = ["transcribe", "summarize", "generate", "serve", "ReplicatedServer", "RayNotInstalled"]
 
-_LAZY = {"transcribe": ("api", "transcribe"), "summarize": ("api", "summarize"), "generate": ("api", "generate"),
-         "serve": ("serving", "start"), "ReplicatedServer": ("serving", "ReplicatedServer"),
-         "RayNotInstalled": ("cluster", "RayNotInstalled")}
-
 
 def __getattr__(name: str):
-    # Lazy, so that the CLI can import the flags in cli.py without the server's and engine's modules.
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    module, attr = _LAZY[name]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    """Lazy, so that the CLI can import the flags in cli.py without the server's and engine's modules."""
+    if name in ("transcribe", "summarize", "generate"):
+        import encdec_engine.distributed.api as api  # lazy: the job's modules
+        return getattr(api, name)
+    if name == "serve":
+        from encdec_engine.distributed.serving import start  # lazy: the server's modules (2.6 s)
+        return start
+    if name == "ReplicatedServer":
+        from encdec_engine.distributed.serving import ReplicatedServer  # lazy: the server's modules (2.6 s)
+        return ReplicatedServer
+    if name == "RayNotInstalled":
+        from encdec_engine.distributed.cluster import RayNotInstalled  # lazy: as the others
+        return RayNotInstalled
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

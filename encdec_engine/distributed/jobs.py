@@ -128,7 +128,7 @@ def _stream(job: Job, pending: list[JobInput], cluster: ClusterOptions, num_work
     ray = import_ray()
     from ray.exceptions import RayActorError
 
-    from encdec_engine.distributed import workers  # lazy: torch and the engine (1.2 s) for the worker classes
+    import encdec_engine.distributed.workers as workers  # lazy: torch and the engine (1.2 s) for the worker classes
 
     worker = job.worker or getattr(workers, WORKERS[job.task])
     # Ray restarts a dead actor (reloading its model); the driver, not Ray, retries the batch it held.

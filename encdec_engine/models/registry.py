@@ -1,40 +1,55 @@
-"""Which of our model classes serves a Hugging Face architecture."""
+"""Which of our model classes serves a checkpoint: one registration per model family."""
 
 from __future__ import annotations
 
-import importlib
+from dataclasses import dataclass
 
-# HF architecture name -> (module under encdec_engine.models, class name)
-_MODELS: dict[str, tuple[str, str]] = {
-    "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
-    "BartModel": ("bart", "BartForConditionalGeneration"),
-    "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
-    "T5ForConditionalGeneration": ("t5", "T5ForConditionalGeneration"),
-    "MT5ForConditionalGeneration": ("t5", "T5ForConditionalGeneration"),
-    "MBartForConditionalGeneration": ("mbart", "MBartForConditionalGeneration"),
-    "MarianMTModel": ("marian", "MarianMTModel"),
-    "M2M100ForConditionalGeneration": ("m2m100", "M2M100ForConditionalGeneration"),
+from encdec_engine.models.bart import BartForConditionalGeneration
+from encdec_engine.models.gpt2 import GPT2LMHeadModel
+from encdec_engine.models.llama import LlamaForCausalLM
+from encdec_engine.models.m2m100 import M2M100ForConditionalGeneration
+from encdec_engine.models.marian import MarianMTModel
+from encdec_engine.models.mbart import MBartForConditionalGeneration
+from encdec_engine.models.t5 import T5ForConditionalGeneration
+from encdec_engine.models.whisper import WhisperForConditionalGeneration
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # config.json's model_type: serves a config that names no architecture
+    model_class: type
+    architectures: tuple[str, ...]  # config.json's `architectures` names it serves
+
+
+FAMILIES = (
+    Family("bart", BartForConditionalGeneration, ("BartForConditionalGeneration", "BartModel")),
+    Family("whisper", WhisperForConditionalGeneration, ("WhisperForConditionalGeneration",)),
+    Family("t5", T5ForConditionalGeneration, ("T5ForConditionalGeneration",)),
+    Family("mt5", T5ForConditionalGeneration, ("MT5ForConditionalGeneration",)),
+    Family("mbart", MBartForConditionalGeneration, ("MBartForConditionalGeneration",)),
+    Family("marian", MarianMTModel, ("MarianMTModel",)),
+    Family("m2m_100", M2M100ForConditionalGeneration, ("M2M100ForConditionalGeneration",)),
     # Decoder-only models: the degenerate case (no encoder, no cross cache).
-    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-}
+    Family("gpt2", GPT2LMHeadModel, ("GPT2LMHeadModel",)),
+    Family("llama", LlamaForCausalLM, ("LlamaForCausalLM",)),
+)
+_BY_ARCHITECTURE = {arch: family.model_class for family in FAMILIES for arch in family.architectures}
+_BY_TYPE = {family.model_type: family.model_class for family in FAMILIES}
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(_BY_ARCHITECTURE)
 
 
 def resolve_model_class(hf_config) -> type:
+    """The class of the first architecture config.json names that a family serves; with none named,
+    the family of its model_type."""
     archs = list(getattr(hf_config, "architectures", None) or [])
-    default_for_type = {"bart": "BartForConditionalGeneration", "whisper": "WhisperForConditionalGeneration",
-                        "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "t5": "T5ForConditionalGeneration",
-                        "mt5": "MT5ForConditionalGeneration", "mbart": "MBartForConditionalGeneration",
-                        "marian": "MarianMTModel", "m2m_100": "M2M100ForConditionalGeneration"}
-    if not archs and getattr(hf_config, "model_type", None) in default_for_type:
-        archs = [default_for_type[hf_config.model_type]]
     for arch in archs:
-        if arch in _MODELS:
-            module, name = _MODELS[arch]
-            return getattr(importlib.import_module(f"encdec_engine.models.{module}"), name)
-    raise ValueError(f"unsupported model architecture {archs or hf_config.model_type!r}; "
+        if arch in _BY_ARCHITECTURE:
+            return _BY_ARCHITECTURE[arch]
+    model_type = getattr(hf_config, "model_type", None)
+    if not archs and model_type in _BY_TYPE:
+        return _BY_TYPE[model_type]
+    raise ValueError(f"unsupported model architecture {archs or model_type!r}; "
                      f"supported: {', '.join(supported_architectures())}")
