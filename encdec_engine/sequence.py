@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -60,5 +64,5 @@ class EncoderSequence:
     num_positions: int  # encoder output positions = cross-attention KV slots
     prompt_token_ids: list[int] | None = None
     prompt: str | None = None
-    features: Any = None  # audio: the log-mel torch.Tensor [n_mels, n_frames] (Whisper)
-    cache_key: Any = None  # identity of the encoder input for output reuse (None: never cached)
+    features: torch.Tensor | None = None  # audio: the log-mel torch.Tensor [n_mels, n_frames] (Whisper)
+    cache_key: Hashable | None = None  # identity of the encoder input for output reuse (None: never cached)

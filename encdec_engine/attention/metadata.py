@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from encdec_engine.attention.capture import CrossCapture
+
 
 class AttentionType(enum.Enum):
     ENCODER = enum.auto()  # encoder self-attention: non-causal, nothing cached
@@ -115,7 +117,7 @@ class AttentionMetadata:
     encoder: AttentionView | None = None
     cross: AttentionView | None = None
     block_size: int = 16
-    capture: Any = None  # attention.capture.CrossCapture of a prefill that asked for cross-attention probabilities
+    capture: CrossCapture | None = None  # the capture of a prefill that asked for cross-attention probabilities
 
     def view(self, attn_type: AttentionType) -> AttentionView:
         view = getattr(self, _VIEW_OF[attn_type])

@@ -6,7 +6,7 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,16 +24,22 @@ from encdec_engine.checkpoints.tokenizer_files import load_tokenizer, tokenizer_
 from encdec_engine.checkpoints.weights import iter_checkpoint, weight_files
 from encdec_engine.checkpoints.whisper_vocab import add_timestamp_tokens, complete_whisper_generation_config
 
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+    from encdec_engine.attention.backends.base import AttentionBackend
+    from encdec_engine.models.interface import Model
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class LoadedModel:
-    model: Any
-    tokenizer: Any
-    hf_config: Any
-    generation_config: Any
-    backend: Any
+    model: Model  # an nn.Module of models/ (registry.py)
+    tokenizer: PreTrainedTokenizerBase | None  # None: skip_tokenizer_init, or a checkpoint without one
+    hf_config: PretrainedConfig
+    generation_config: GenerationConfig
+    backend: AttentionBackend
     vocab_size: int
     max_decoder_len: int
     max_encoder_len: int

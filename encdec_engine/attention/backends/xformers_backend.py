@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from encdec_engine.attention.backends.torch_sdpa import FreshPlan, TorchSDPABackend, plan_gather
+from encdec_engine.attention.backends.torch_sdpa import FreshPlan, GatherPlan, TorchSDPABackend, plan_gather
 from encdec_engine.attention.backends.xformers_masks import prefill_attn_bias
 from encdec_engine.quantization.kv_int8 import as_stored, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
@@ -55,7 +55,7 @@ class _ViewPlan:
     attn_bias: Any = None  # xformers bias over the packed prefill keys; None for decode
     key_index: torch.Tensor | None = None  # [num_keys] rows of the fresh K/V in bias order; None: already packed
     cache_slots: torch.Tensor | None = None  # [num_keys] cache slots of the packed keys of a prefill over the cache
-    torch_plan: Any = None  # the torch backend's plan, made on first fallback
+    torch_plan: GatherPlan | FreshPlan | None = None  # the torch backend's plan, made on first fallback
 
 
 class XFormersBackend:
