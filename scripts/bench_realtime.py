@@ -347,7 +347,8 @@ def main() -> int:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "encdec_engine.cli.main", "serve", "--port", str(port), "--log-level", "warning",
-           "--api-key", KEY, "--threads", str(args.threads), "--max-realtime-sessions", str(max(counts))]
+           "--api-key", KEY, "--threads", str(args.threads), "--max-realtime-sessions", str(max(counts)),
+           "--max-realtime-sessions-per-client", str(max(counts))]  # every simulated client is this machine
     cmd += ["--quantization", args.quantization] if args.quantization else []
     header = ("| system | N | audio s | words | word lag p50 / p95 / max s | completed p50 / p95 / max s | "
               "WER vs offline % | turns with text before stop | CPU cores | real time |\n|---|---|---|---|---|---|---|---|---|---|")

@@ -45,6 +45,21 @@ def optional_int(value: str) -> int | None:
     return None if value.lower() == "none" else int(value)
 
 
+def comma_list(value: str) -> tuple[str, ...]:
+    """`a, b,c` -> ("a", "b", "c")."""
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def api_key(flag: str | None, *env: str) -> str | None:
+    """An API key: --api-key's, with a warning (every user of this machine can read a command line, in `ps`
+    or /proc), else the first of the environment variables `env` that is set."""
+    if flag:
+        warn("--api-key shows the key to every user of this machine (ps, /proc/PID/cmdline); set it in the "
+             f"environment instead: {env[0]}=... (the flag still works)")
+        return flag
+    return next((os.environ[name] for name in env if os.environ.get(name)), None)
+
+
 class Parser(argparse.ArgumentParser):
     """A refused argument is one line naming it and where the usage is (`encdec transcribe -f docx`
     used to print the whole 50-line usage above the error)."""
@@ -253,3 +268,8 @@ def load_llm(args: argparse.Namespace, model: str | None = None, **overrides):
 def error(message: str) -> None:
     """One line on stderr, as every refusal of the CLI is written."""
     print(f"error: {message}", file=sys.stderr)
+
+
+def warn(message: str) -> None:
+    """One line on stderr: something that works, but the user should know."""
+    print(f"warning: {message}", file=sys.stderr)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from encdec_engine.cli.args import check_engine_args, error, load_llm
+from encdec_engine.cli.args import api_key, check_engine_args, error, load_llm
 from encdec_engine.speech.live_events import LiveEvent, TranscriptCompleted, TranscriptDelta, TranscriptFailed
 from encdec_engine.speech.live_options import LiveOptions, TurnDetection
 
@@ -141,7 +141,7 @@ def _via_server(args: argparse.Namespace, options: LiveOptions, chunks: Iterator
     from encdec_engine.inputs.pcm_stream import AudioChunks  # lazy: numpy and soxr (0.1 s)
 
     resample = None if rate in (16000, 24000) else AudioChunks(rate)  # the server takes 16 or 24 kHz pcm16
-    key = args.api_key or os.environ.get("ENCDEC_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    key = api_key(args.api_key, "ENCDEC_API_KEY", "OPENAI_API_KEY")
     url = args.server.rstrip("/").replace("https://", "wss://").replace("http://", "ws://")
     url = (url if url.endswith("/v1") else url + "/v1") + "/realtime?intent=transcription"
     headers = {"Authorization": f"Bearer {key}"} if key else {}

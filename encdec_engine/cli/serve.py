@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from encdec_engine.checkpoints.names import DEFAULT_MODEL
-from encdec_engine.cli.args import HelpFormatter, add_engine_args, check_engine_args, engine_kwargs, resolve_model
+from encdec_engine.cli.args import (HelpFormatter, add_engine_args, api_key, check_engine_args, comma_list,
+                                    engine_kwargs, resolve_model)
 
 
 def cmd_serve(args) -> int:
@@ -24,14 +24,17 @@ def server_limits(args):
     """The ServerLimits the serve flags set (of the one server, or of each replica on Ray)."""
     from encdec_engine.server.limits import ServerLimits  # lazy: the server's modules (1.5 s)
 
-    return ServerLimits(api_key=args.api_key or os.environ.get("ENCDEC_API_KEY") or None,
+    return ServerLimits(api_key=api_key(args.api_key, "ENCDEC_API_KEY"), allowed_hosts=args.allowed_hosts,
+                        allowed_origins=args.allowed_origins or (),
                         max_queue=args.max_queue, max_upload_mb=args.max_upload_mb,
                         max_audio_seconds=args.max_audio_seconds, max_audio_memory_mb=args.max_audio_memory_mb,
                         max_client_audio_mb=args.max_client_audio_mb, min_body_kb_per_s=args.min_body_kb_per_s,
                         body_grace_s=args.body_grace_s, max_request_tokens=args.max_request_tokens,
                         protect_info=args.protect_info, max_realtime_sessions=args.max_realtime_sessions,
                         max_realtime_buffer_seconds=args.max_realtime_buffer_seconds,
-                        max_realtime_speed=args.max_realtime_speed)
+                        max_realtime_speed=args.max_realtime_speed,
+                        max_realtime_sessions_per_client=args.max_realtime_sessions_per_client,
+                        realtime_idle_timeout_s=args.realtime_idle_timeout)
 
 
 def server_engine_kwargs(args) -> dict:
@@ -57,10 +60,19 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--port", type=int, default=8000, help="port to bind")
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     sv.add_argument("--api-key", default=None,
-                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $ENCDEC_API_KEY, else none)")
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $ENCDEC_API_KEY, else none; prefer "
+                         "the variable: every user of the machine sees a flag in `ps`)")
     sv.add_argument("--protect-info", action=argparse.BooleanOptionalAction, default=None,
                     help="/metrics, /docs, /redoc and /openapi.json need the API key too (without a key: are "
                          "not served); default: on when an API key is set")
+    sv.add_argument("--allowed-hosts", type=comma_list, default=None, metavar="NAMES",
+                    help="Host header names served besides this machine's (localhost, 127.0.0.1, [::1]) and IP "
+                         "addresses, comma-separated ('.example.com': it and its subdomains; '*': any), against DNS "
+                         "rebinding; default: none more on a loopback --host, any on a public one")
+    sv.add_argument("--allowed-origins", type=comma_list, default=None, metavar="ORIGINS",
+                    help="web pages (Origin header, e.g. https://app.example.com) that may call the server besides "
+                         "this machine's (http(s)://localhost, 127.0.0.1, [::1], any port) and its own, "
+                         "comma-separated ('*': any); requests without an Origin (not from a browser) pass")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting to start; beyond: 429")
     sv.add_argument("--max-upload-mb", type=float, default=25.0, help="request body limit; beyond: 413")
     sv.add_argument("--max-audio-seconds", type=float, default=3600.0, help="audio length limit; beyond: 413")
@@ -85,6 +97,13 @@ def add_serve_parser(sub) -> None:
     sv.add_argument("--max-realtime-speed", type=float, default=4.0,
                     help="how fast a live session's audio may arrive (times real time) after its first "
                          "--max-realtime-buffer-seconds; a faster client is slowed, not refused")
+    sv.add_argument("--max-realtime-sessions-per-client", type=int, default=None,
+                    help="live sessions one client address may hold open (default: half of --max-realtime-sessions; "
+                         "behind a proxy every client has its address); beyond: an error event and close code 1013")
+    sv.add_argument("--realtime-idle-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="a live session that gets no client event for this long while it owes no transcription, "
+                         "or whose client reads none of its events for this long, gets an error event and close "
+                         "code 1008")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

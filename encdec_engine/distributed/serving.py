@@ -167,7 +167,7 @@ def start(model: str | None = None, *, replicas: int = 2, address: str | None = 
           served_model_name: str | None = None, shutdown_timeout: float = 30.0, log_level: str = "warning",
           engine: dict[str, Any] | None = None) -> ReplicatedServer:
     """Deploy `replicas` engines of `model` (None: the default tiny.en) behind http://host:port."""
-    limits = limits or ServerLimits()
+    limits = (limits or ServerLimits()).for_bind(host)  # the proxy binds `host`; the replicas check Host
     engine = engine or {}
     model = local_model(model, address)
     ray = import_ray()

@@ -7,8 +7,9 @@ Which endpoints answer depends on the loaded model; the other kind gets a 404 th
     text models  POST /v1/completions                                     (BART: prompt = encoder prompt)
     always       GET /v1/models, /health, /metrics (Prometheus text)
 
-Every request passes the same gate: an optional Bearer API key (401; with the key set it
-also guards /metrics, /docs, /redoc and /openapi.json unless `--no-protect-info`), a body
+Every request passes the same gate: a Host and an Origin header this server serves (403: no web page
+may use it through a browser, by DNS rebinding or cross-site), an optional Bearer API key (401; with the
+key set it also guards /metrics, /docs, /redoc and /openapi.json unless `--no-protect-info`), a body
 size limit (413), then a bounded queue of requests admitted but not yet running in the
 engine (429). Bad input is a 400 naming the problem, in OpenAI's error shape, and
 never reaches the engine thread. An internal failure is a 500 whose body names a request
@@ -19,7 +20,8 @@ This module builds and runs the app; the parts live beside it:
 
     limits.py        ServerLimits and what enforces them: the admission queue, the audio memory, the
                      output budget (a leaf: nothing else of the server is imported there)
-    gate.py          what every request passes first: the API key, the body's size and rate
+    gate.py          what every request passes first: Host and Origin, the API key, the body's size and rate
+    origins.py       which Host and Origin headers are served (DNS rebinding, cross-site requests)
     errors.py        APIError (OpenAI's error shape) and mapping engine exceptions to it
     protocol.py      the request and response bodies (pydantic)
     openapi.py       the OpenAPI document: real request and response bodies, error statuses
@@ -55,6 +57,7 @@ from encdec_engine.server.errors import APIError, internal_error
 from encdec_engine.server.gate import Gate
 from encdec_engine.server.limits import ServerLimits
 from encdec_engine.server.openapi import ModelFacts, install_openapi
+from encdec_engine.server.origins import ANY, is_loopback
 from encdec_engine.server.state import ServerState
 from encdec_engine.checkpoints.whisper_languages import LANGUAGES, TO_LANGUAGE_CODE
 from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
@@ -172,10 +175,9 @@ def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, limits:
     """Serve `model` with uvicorn until interrupted (SIGINT/SIGTERM shut down gracefully)."""
     import uvicorn
 
-    limits = limits or ServerLimits()
+    limits = (limits or ServerLimits()).for_bind(host)
     _log_to_stderr(log_level)
-    if host not in ("127.0.0.1", "localhost", "::1") and limits.api_key is None:
-        logger.warning("serving on %s without an API key: anyone who can reach the port can use it", host)
+    _warn_what_is_open(host, limits)
     app = build_app(model, limits=limits, served_model_name=served_model_name, shutdown_timeout=shutdown_timeout,
                     **engine_kwargs)
     state: ServerState = app.state.server
@@ -183,6 +185,16 @@ def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, limits:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout)
     uvicorn_server(config, state).run()
+
+
+def _warn_what_is_open(host: str, limits: ServerLimits) -> None:
+    """Warn of what is left open to others: a public address without an API key, any Host answered."""
+    if limits.api_key is None and not is_loopback(host):
+        logger.warning("serving on %s without an API key: anyone who can reach the port can use it "
+                       "(set one in $ENCDEC_API_KEY)", host)
+    if ANY in (limits.allowed_hosts or ()):
+        logger.warning("serving on %s: any Host header is answered, so a web page can reach this server by DNS "
+                       "rebinding; name the server's host names with --allowed-hosts to check it", host)
 
 
 def uvicorn_server(config, state: ServerState):

@@ -32,9 +32,9 @@ def clip(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 class APIError(Exception):
     """An error answered as OpenAI's `{"error": {...}}` with its HTTP status."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "request_timeout",
-             413: "request_too_large", 429: "rate_limit_error", 499: "client_closed_request",
-             500: "internal_error", 503: "service_unavailable"}
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 408: "request_timeout", 413: "request_too_large", 429: "rate_limit_error",
+             499: "client_closed_request", 500: "internal_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         message = clip(message)

@@ -1,7 +1,8 @@
 """What every request passes before an endpoint sees it (pure ASGI, so a streamed answer is timed to its
-last byte): the API key, the body's size limit and minimum rate, and for an upload its audio memory,
-reserved as its bytes arrive and released when the request ends. A websocket upgrade (/v1/realtime)
-passes the API key check."""
+last byte): its Host and Origin headers (origins.py: no web page may use the server through a browser), the
+API key, the body's size limit and minimum rate, and for an upload its audio memory, reserved as its bytes
+arrive and released when the request ends. A websocket upgrade (/v1/realtime) passes the Host, Origin and
+API key checks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi import HTTPException
 
 from encdec_engine.server.errors import APIError
 from encdec_engine.server.limits import ServerLimits
+from encdec_engine.server.origins import refusal
 from encdec_engine.server.state import ServerState
 
 _MB = 1 << 20
@@ -89,12 +91,7 @@ class Gate:
 
         try:
             headers = dict(scope["headers"])
-            error = None
-            guarded = path.startswith("/v1") or (limits.protects_info and path in INFO_PATHS)
-            if limits.protects_info and path in INFO_PATHS and limits.api_key is None:
-                error = APIError(404, f"{path} is not served here (--protect-info without an API key)")
-            elif limits.api_key is not None and guarded:
-                error = _check_api_key(headers.get(b"authorization"), limits.api_key)
+            error = _refused(path, headers, limits)
             length = headers.get(b"content-length", b"")
             if error is None and length.isdigit() and int(length) > limits.max_body_bytes:
                 error = APIError(413, str(_BodyTooLarge(limits.max_body_bytes).detail))
@@ -109,13 +106,11 @@ class Gate:
 
 
     async def _websocket(self, scope, receive, send) -> None:
-        """A websocket (/v1/realtime) needs the API key on its upgrade request, as the openai client sends it
-        (Authorization: Bearer). Refused: a 401 answer with OpenAI's error body where the server can send
-        one on the handshake (the websocket.http.response extension), else the handshake closed (1008)."""
-        limits = self.state.limits
-        error = None
-        if limits.api_key is not None and scope["path"].startswith("/v1"):
-            error = _check_api_key(dict(scope["headers"]).get(b"authorization"), limits.api_key)
+        """A websocket (/v1/realtime) needs a served Host and Origin and the API key on its upgrade request, as
+        the openai client sends it (Authorization: Bearer). Refused: a 403 or 401 answer with OpenAI's error
+        body where the server can send one on the handshake (the websocket.http.response extension), else the
+        handshake closed (1008)."""
+        error = _refused(scope["path"], dict(scope["headers"]), self.state.limits)
         if error is None:
             return await self.app(scope, receive, send)
         message = await receive()
@@ -127,7 +122,23 @@ class Gate:
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
             await send({"type": "websocket.http.response.body", "body": body})
         else:
-            await send({"type": "websocket.close", "code": 1008, "reason": error.message[:100]})
+            reason = error.message.encode()[:120].decode(errors="ignore")  # a close reason holds 123 bytes
+            await send({"type": "websocket.close", "code": 1008, "reason": reason})
+
+
+def _refused(path: str, headers: dict[bytes, bytes], limits: ServerLimits) -> APIError | None:
+    """The error for a request its headers do not let in (None: let in): a Host or Origin not served (403,
+    first, so that a web page learns nothing more), else a missing or wrong API key (401) or guarded info
+    without a key (404)."""
+    error = refusal(headers, limits.allowed_hosts, limits.allowed_origins)
+    if error is not None:
+        return error
+    guarded = path.startswith("/v1") or (limits.protects_info and path in INFO_PATHS)
+    if limits.protects_info and path in INFO_PATHS and limits.api_key is None:
+        return APIError(404, f"{path} is not served here (--protect-info without an API key)")
+    if limits.api_key is not None and guarded:
+        return _check_api_key(headers.get(b"authorization"), limits.api_key)
+    return None
 
 
 def _client(scope) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -14,7 +16,8 @@ router = APIRouter()
 @router.get("/v1/models", response_model=P.ModelList)
 async def list_models(request: Request) -> P.ModelList:
     st = state_of(request)
-    return P.ModelList(data=[P.ModelCard(id=st.model_name, root=st.model_path,
+    root = Path(st.model_path).name or st.model_path  # the folder's name: its path would tell the server's layout
+    return P.ModelList(data=[P.ModelCard(id=st.model_name, root=root,
                                          max_model_len=st.engine.engine.max_decoder_len)])
 
 

@@ -6,9 +6,10 @@ completion request, and the realtime sessions open (`RealtimeSessions`). A leaf:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from encdec_engine.server.errors import APIError
+from encdec_engine.server.origins import ANY, check_host_entry, is_loopback, origin_key
 
 _MB = 1 << 20
 
@@ -19,6 +20,13 @@ class ServerLimits:
     # /metrics, /docs, /redoc and /openapi.json need the key too (without a key they are not served).
     # None: on when api_key is set.
     protect_info: bool | None = None
+    # Host header names served besides this machine's (localhost, *.localhost, 127.0.0.1, [::1]) and IP
+    # addresses, so that no web page reaches the server by DNS rebinding (origins.py); ".name": it and its
+    # subdomains, "*": any. None: by the address bound (`for_bind`): none more on loopback, any on a public one.
+    allowed_hosts: tuple[str, ...] | None = None
+    # Web pages (Origin header: "https://app.example.com") served besides this machine's and the server's
+    # own; "*": any. Requests without an Origin (every client that is not a browser) are not checked.
+    allowed_origins: tuple[str, ...] = ()
     max_queue: int = 256  # engine requests admitted but not yet running; more get 429
     max_upload_mb: float = 25.0  # request body size (OpenAI's audio limit); more get 413
     max_audio_seconds: float = 3600.0  # decoded audio length; more get 413
@@ -44,6 +52,13 @@ class ServerLimits:
     # max_realtime_buffer_seconds are in: a faster client is slowed (its events are read later), so one
     # client cannot keep the event loop busy with audio work (resampling, voice detection) at any speed.
     max_realtime_speed: float = 4.0
+    # Realtime sessions one client address may hold open of those (None: half, at least 1); the next gets an
+    # error event and close code 1013. Behind a proxy every client has the proxy's address: raise it then.
+    max_realtime_sessions_per_client: int | None = None
+    # A realtime session that gets no client event for this long (seconds) while it owes the client no
+    # transcription, or whose client reads none of its events for this long (its next events wait until it
+    # does: see realtime.py), gets an error event and is closed (1008), so an idle client holds no session.
+    realtime_idle_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -70,12 +85,40 @@ class ServerLimits:
                              f"{self.max_realtime_buffer_seconds}")
         if not self.max_realtime_speed >= 1:
             raise ValueError(f"max_realtime_speed must be at least 1 (real time), got {self.max_realtime_speed}")
+        per_client = self.max_realtime_sessions_per_client
+        if per_client is not None and not 1 <= per_client <= max(1, self.max_realtime_sessions):
+            raise ValueError(f"max_realtime_sessions_per_client must lie between 1 and max_realtime_sessions "
+                             f"({self.max_realtime_sessions}), got {per_client}")
+        if not self.realtime_idle_timeout_s > 0:
+            raise ValueError(f"realtime_idle_timeout_s must be positive, got {self.realtime_idle_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no key)")
+        if isinstance(self.allowed_hosts, str) or isinstance(self.allowed_origins, str):
+            raise ValueError("allowed_hosts and allowed_origins are tuples of names, not one string")
+        for host in self.allowed_hosts or ():
+            check_host_entry(host)
+        for origin in self.allowed_origins:
+            if origin != ANY:
+                origin_key(origin)
+
+    def for_bind(self, host: str) -> ServerLimits:
+        """These limits for a server bound to `host`: a public address (0.0.0.0, a LAN address) serves any
+        Host unless `allowed_hosts` names some, since its clients reach it by names this server cannot know
+        (its DNS names, a proxy's); a loopback one serves only this machine's names and `allowed_hosts`."""
+        if self.allowed_hosts is None and not is_loopback(host):
+            return replace(self, allowed_hosts=(ANY,))
+        return self
 
     @property
     def protects_info(self) -> bool:
         return self.api_key is not None if self.protect_info is None else self.protect_info
+
+    @property
+    def realtime_sessions_per_client(self) -> int:
+        """The realtime sessions one client address may hold: as set, or half of all (at least 1)."""
+        if self.max_realtime_sessions_per_client is not None:
+            return self.max_realtime_sessions_per_client
+        return max(1, self.max_realtime_sessions // 2)
 
     @property
     def max_body_bytes(self) -> int:
@@ -218,26 +261,54 @@ def _mb(nbytes: int) -> str:
 
 
 # -- realtime sessions: the websocket transcription sessions open ------------------
-class RealtimeSessions:
-    """Realtime sessions open, at most `limit` (event loop only, so exact), and what became of them."""
+class SessionRefused(APIError):
+    """A realtime session refused over a limit; `code` names which (the error event's code)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(429, message)
+        self.code = code
+
+
+class RealtimeSessions:
+    """Realtime sessions open, at most `limit` in all and `client_limit` per client address (event loop
+    only, so exact), and what became of them."""
+
+    def __init__(self, limit: int, client_limit: int | None = None) -> None:
         self.limit, self.open = limit, 0
-        # refused: over the limit; overflowed: closed over their buffer bound
-        self.outcomes = {"accepted": 0, "refused": 0, "overflowed": 0}
+        self.client_limit = limit if client_limit is None else client_limit
+        self.by_client: dict[str, int] = {}
+        # refused: over the limit; refused_client: over the client's share; overflowed: closed over their
+        # buffer bound; idle: closed after no client event; not_reading: closed, their client read no event
+        self.outcomes = {"accepted": 0, "refused": 0, "refused_client": 0, "overflowed": 0, "idle": 0,
+                         "not_reading": 0}
         self.dropped_seconds = 0.0  # audio the overflowed sessions held when they were closed
 
-    def acquire(self) -> None:
-        """Count one more session open; 429 (an error event and close code 1013) over the limit."""
+    def acquire(self, client: str = "") -> None:
+        """Count one more session open for `client` (its address); SessionRefused (an error event and close
+        code 1013) over the client's share or over the limit."""
         if self.open >= self.limit:
             self.outcomes["refused"] += 1
-            raise APIError(429, f"server busy: {self.open} realtime sessions are open (limit {self.limit}); "
-                                "retry shortly")
+            raise SessionRefused(f"server busy: {self.open} realtime sessions are open (limit {self.limit}, "
+                                 "--max-realtime-sessions); retry shortly", "session_limit_reached")
+        held = self.by_client.get(client, 0)
+        if held >= self.client_limit:
+            self.outcomes["refused_client"] += 1
+            raise SessionRefused(f"your address holds {held} realtime sessions open, this server's share per client "
+                                 f"(--max-realtime-sessions-per-client {self.client_limit}); close one first, or "
+                                 "retry once one has ended", "client_session_limit_reached")
         self.open += 1
+        self.by_client[client] = held + 1
         self.outcomes["accepted"] += 1
 
-    def release(self) -> None:
+    def release(self, client: str = "") -> None:
         self.open -= 1
+        held = self.by_client.pop(client) - 1
+        if held:
+            self.by_client[client] = held
+
+    def timed_out(self, outcome: str) -> None:
+        """A session was closed by the idle timeout: `outcome` "idle" or "not_reading"."""
+        self.outcomes[outcome] += 1
 
     def overflowed(self, seconds: float) -> None:
         """A session was closed holding `seconds` of audio over its buffer bound (that audio is dropped)."""

@@ -95,8 +95,9 @@ class Metrics:
         backlog = max((s.backlog_seconds for s in live_sessions), default=0.0)
         metric("encdec_realtime_sessions", "gauge", "Realtime transcription sessions open, and the limit (beyond it: "
                "an error event and close code 1013)", [('{kind="open"}', realtime.open), ('{kind="limit"}', realtime.limit)])
-        metric("encdec_realtime_sessions_total", "counter", "Realtime sessions accepted, refused (over the limit) and "
-               "closed over their buffer bound (overflowed)",
+        metric("encdec_realtime_sessions_total", "counter", "Realtime sessions accepted, refused (over the limit, or "
+               "over the client's share: refused_client), closed over their buffer bound (overflowed), closed by the "
+               "idle timeout (idle: no client event; not_reading: the client read none of the server's)",
                [(f'{{outcome="{k}"}}', v) for k, v in realtime.outcomes.items()])
         metric("encdec_realtime_dropped_audio_seconds_total", "counter", "Audio held by sessions closed over their "
                "buffer bound (no other audio is ever dropped)", [("", round(realtime.dropped_seconds, 3))])

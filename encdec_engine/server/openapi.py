@@ -23,14 +23,15 @@ _TEXT_PATHS = ("/v1/completions",)
 _ERRORS = {
     400: "a field has a wrong type or value, the body cannot be parsed, or the engine rejects the prompt",
     401: "the API key is missing or wrong (when the server has one)",
+    403: "the Host or Origin header is not served here (a web page's request: see --allowed-hosts, --allowed-origins)",
     404: "an unknown model name, or an endpoint the loaded model does not serve",
     413: "the body (or the audio) is over the server's limit",
     429: "the server's queue is full; retry after Retry-After",
     500: "an internal error; the body names a request id the server log has the traceback under",
     503: "the engine is not running",
 }
-_POST_ERRORS = (400, 401, 404, 413, 429, 500, 503)
-_GET_ERRORS = (401, 404, 500)
+_POST_ERRORS = (400, 401, 403, 404, 413, 429, 500, 503)
+_GET_ERRORS = (401, 403, 404, 500)
 _TEXT = {"schema": {"type": "string"}}
 # text/event-stream: before OpenAPI 3.2 (no `itemSchema`) a stream's schema describes each event.
 _EVENTS = {"schema": {"type": "object", "required": ["data"],

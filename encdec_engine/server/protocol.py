@@ -542,7 +542,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "encdec-engine"
-    root: str | None = None  # the checkpoint folder
+    root: str | None = None  # the checkpoint folder's name (not its path: where the server keeps its files)
     max_model_len: int | None = None  # decoder positions
 
 

@@ -12,10 +12,18 @@ them. Each connection is one live session (speech/live_session.py) driven throug
     input_audio_buffer.commit / .clear         ->  input_audio_buffer.committed / .cleared
     anything wrong                             ->  error {error: {type, code, message, param, event_id}}; the session lives on
 
-Admission: at most `max_realtime_sessions` at once (the next gets an error event and close code 1013, try
-again later); a session holding more than `max_realtime_buffer_seconds` of audio not yet transcribed (its
-decodes fell that far behind) gets an error event and is closed (1013). A client that leaves frees its
-session at once: the decode in flight is aborted, so its KV blocks are free before the next engine step.
+Admission: at most `max_realtime_sessions` at once, and `realtime_sessions_per_client` from one client
+address (the next gets an error event and close code 1013, try again later); a session holding more than
+`max_realtime_buffer_seconds` of audio not yet transcribed (its decodes fell that far behind) gets an error
+event and is closed (1013); an append holding more than that alone is refused whole (an error event). A
+client that leaves frees its session at once: the decode in flight is aborted, so its KV blocks are free
+before the next engine step.
+
+Backpressure: a session's server events wait in its outbox for the client to read them. Past
+`OUTBOX_CHARS` of them the client's next event is not read until the client has read enough (its sends
+block, as TCP holds them), so a client flooding events it never reads the answers to holds the server to
+that much. A client that reads none of them for `realtime_idle_timeout_s`, or that sends no event for as
+long while the session owes it no transcription, gets an error event and close code 1008.
 """
 
 from __future__ import annotations
@@ -32,9 +40,8 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket
 
-from encdec_engine.inputs.audio import SAMPLE_RATE
-from encdec_engine.inputs.pcm_stream import AudioChunks
-from encdec_engine.server.errors import APIError
+from encdec_engine.inputs.pcm_stream import AudioChunks, pcm16_samples
+from encdec_engine.server.limits import SessionRefused
 from encdec_engine.server.realtime_protocol import (OPENAI_MODELS, ProtocolError, SessionConfig, apply_update,
                                                     error_event, event, parse_event, server_events, session_object)
 from encdec_engine.server.state import ServerState
@@ -51,6 +58,7 @@ TRY_AGAIN_LATER = 1013  # websocket close codes (RFC 6455)
 POLICY_VIOLATION = 1008
 INTERNAL_ERROR = 1011
 GOING_AWAY = 1001
+OUTBOX_CHARS = 256 * 1024  # server events (their JSON) one session holds for a client that does not read them
 CLIENT_EVENTS = ("session.update", "transcription_session.update", "input_audio_buffer.append",
                  "input_audio_buffer.commit", "input_audio_buffer.clear")
 
@@ -60,12 +68,13 @@ async def realtime(websocket: WebSocket) -> None:
     st: ServerState = websocket.app.state.server
     beta = websocket.headers.get("openai-beta", "").lower().startswith("realtime")
     await websocket.accept()
+    client = websocket.client.host if websocket.client else ""  # the address, as gate.py keys audio memory
     refusal = _refusal(st, websocket)
     if refusal is None:
         try:
-            st.realtime.acquire()
-        except APIError as e:
-            refusal = error_event(e.message, None, "session_limit_reached", type_="rate_limit_error"), TRY_AGAIN_LATER
+            st.realtime.acquire(client)
+        except SessionRefused as e:
+            refusal = error_event(e.message, None, e.code, type_="rate_limit_error"), TRY_AGAIN_LATER
     if refusal is not None:
         with contextlib.suppress(Exception):  # the client may be gone already
             await websocket.send_text(json.dumps(refusal[0]))
@@ -74,7 +83,7 @@ async def realtime(websocket: WebSocket) -> None:
     try:
         await RealtimeConnection(st, websocket, beta).run()
     finally:
-        st.realtime.release()
+        st.realtime.release(client)
 
 
 def _refusal(st: ServerState, websocket: WebSocket) -> tuple[dict, int] | None:
@@ -127,7 +136,11 @@ class RealtimeConnection:
         self.audio = AudioChunks(self.config.rate)
         self.pace = AudioPace(st.limits.max_realtime_speed, st.limits.max_realtime_buffer_seconds)
         self.wait = 0.0  # seconds before the next event is read (the audio is ahead of `pace`)
-        self.outbox: asyncio.Queue[dict | int] = asyncio.Queue()  # events, or a close code (the last item)
+        # Events as JSON text, or (close code, reason) as the last item; `outbox_chars` of text waiting.
+        self.outbox: asyncio.Queue[str | tuple[int, str]] = asyncio.Queue()
+        self.outbox_chars = 0
+        self.drained = asyncio.Event()  # the outbox holds under OUTBOX_CHARS: the client's events are read
+        self.drained.set()
         self.shutting_down = asyncio.Event()  # the server is shutting down (`finish`)
         self.done = asyncio.Event()  # `run` has ended
 
@@ -149,7 +162,7 @@ class RealtimeConnection:
                 logger.error("realtime session %s stopped", self.id, exc_info=decoder.exception())
                 self._send(error_event("the engine stopped; the session is closed", None, "engine_unavailable",
                                        type_="server_error"))
-                self.outbox.put_nowait(INTERNAL_ERROR)
+                self._close(INTERNAL_ERROR)
             elif receiver.exception() is not None:
                 logger.debug("realtime session %s: receiving failed", self.id, exc_info=receiver.exception())
             else:
@@ -178,13 +191,15 @@ class RealtimeConnection:
         self._emit(self.stream.finish())
         while not self.session.idle and not decoder.done():
             await asyncio.sleep(0.05)
-        self.outbox.put_nowait(GOING_AWAY)
+        self._close(GOING_AWAY)
 
     # -- client events -----------------------------------------------------------------------
     async def _receive(self) -> bool:
         """Handle client events until the client leaves (False) or the session must close (True)."""
         while True:
-            message = await self.websocket.receive()
+            message = await self._next_message()
+            if message is None:
+                return True
             if message["type"] == "websocket.disconnect":
                 return False
             text = message.get("text")
@@ -206,7 +221,7 @@ class RealtimeConnection:
                 logger.exception("realtime session %s: an event failed", self.id)
                 self._send(error_event("the server failed on this event; the session is closed", None,
                                        "server_error", event_id, "server_error"))
-                self.outbox.put_nowait(INTERNAL_ERROR)
+                self._close(INTERNAL_ERROR)
                 return True
             if self.session.buffered_seconds > self.st.limits.max_realtime_buffer_seconds:
                 self._overflow(event_id)
@@ -214,6 +229,34 @@ class RealtimeConnection:
             if self.wait > 0:  # audio faster than the server takes it: this client's next events wait
                 await asyncio.sleep(self.wait)
                 self.wait = 0.0
+
+    async def _next_message(self) -> dict | None:
+        """The client's next message, read once the outbox holds under OUTBOX_CHARS; None when the session
+        closes instead (an error event and 1008 queued): the client read none of its events, or sent none
+        while owed no transcription, for `realtime_idle_timeout_s`."""
+        timeout = self.st.limits.realtime_idle_timeout_s
+        if not self.drained.is_set():
+            try:
+                await asyncio.wait_for(self.drained.wait(), timeout)
+            except asyncio.TimeoutError:
+                self._timed_out("not_reading", f"this client has read none of the server's events for {timeout:g} s "
+                                f"while {self.outbox_chars:,} characters of them wait (the server holds at most "
+                                f"{OUTBOX_CHARS:,} a session, and reads no more events until they are read)",
+                                "client_not_reading")
+                return None
+        while True:
+            try:
+                return await asyncio.wait_for(self.websocket.receive(), timeout)
+            except asyncio.TimeoutError:
+                if not self.session.ending and self.session.in_flight is None:  # the client is owed nothing
+                    self._timed_out("idle", f"no client event for {timeout:g} s", "session_idle_timeout")
+                    return None
+
+    def _timed_out(self, outcome: str, why: str, code: str) -> None:
+        self.st.realtime.timed_out(outcome)
+        self._send(error_event(f"{why}, this server's idle timeout (--realtime-idle-timeout): the session is "
+                               "closed", None, code))
+        self._close(POLICY_VIOLATION, code)
 
     def _handle(self, client_event: dict) -> None:
         kind = client_event["type"]
@@ -253,28 +296,39 @@ class RealtimeConnection:
         return options
 
     async def _append(self, audio: object) -> None:
-        """Take one append event's audio. A long one (an event may hold minutes) goes to the stream a second
-        at a time, the event loop free for the other sessions and requests in between."""
+        """Take one append event's audio. An event holding more than the session's buffer bound is refused
+        whole, before it is decoded. Any other (an event may hold minutes) goes to the stream a second at a
+        time, the event loop free for the other sessions and requests in between; once the session holds more
+        than its bound the rest is not taken (`_receive` closes the session), so no more is ever held."""
         if not self.configured:
             raise ProtocolError("configure the session first: send session.update (or transcription_session.update) "
                                 "before input_audio_buffer.append", "type", "session_not_configured")
         if not isinstance(audio, str):
             raise ProtocolError("audio must be a base64 string of pcm16 audio", "audio", "invalid_audio")
+        bound = self.st.limits.max_realtime_buffer_seconds
+        seconds = len(audio) * 3 / 4 / 2 / self.config.rate  # base64: 4 characters for 3 bytes; 2 bytes a sample
+        if seconds > bound:
+            raise ProtocolError(f"this append holds {seconds:.0f} s of audio, more than a session may hold: this "
+                                f"server's bound is {bound:g} s (--max-realtime-buffer-seconds); nothing of it was "
+                                "taken: send the audio in shorter appends", "audio", "audio_too_long")
         try:
             data = base64.b64decode(audio, validate=True)
         except (binascii.Error, ValueError) as e:
             raise ProtocolError(f"audio is not valid base64: {e}", "audio", "invalid_base64") from None
         try:
-            samples = self.audio(data)
+            pcm = pcm16_samples(data)  # [num_samples] int16 at the session's rate (a view of `data`)
         except ValueError as e:
             raise ProtocolError(str(e), "audio", "invalid_audio_format") from None
-        seconds = len(data) / 2 / self.config.rate
+        seconds = len(pcm) / self.config.rate
         self.st.metrics.realtime_audio_seconds += seconds
         self.wait = self.pace.add(seconds)
-        for start in range(0, max(len(samples), 1), SAMPLE_RATE):
+        rate = self.config.rate
+        for start in range(0, max(len(pcm), 1), rate):
             if start:
                 await asyncio.sleep(0)
-            self._emit(self.stream.append(samples[start : start + SAMPLE_RATE]))
+            self._emit(self.stream.append(self.audio(pcm[start : start + rate])))
+            if self.session.buffered_seconds > bound:
+                return
 
     def _overflow(self, event_id: str | None) -> None:
         held = self.session.buffered_seconds
@@ -283,7 +337,7 @@ class RealtimeConnection:
                                f"bound of {self.st.limits.max_realtime_buffer_seconds:g} s: the server is "
                                "overloaded; the session is closed, reconnect later", None, "input_audio_buffer_full",
                                event_id, "rate_limit_error"))
-        self.outbox.put_nowait(TRY_AGAIN_LATER)
+        self._close(TRY_AGAIN_LATER)
 
     # -- server events -----------------------------------------------------------------------
     def _emit(self, events: list[LiveEvent]) -> None:
@@ -296,15 +350,26 @@ class RealtimeConnection:
                 self._send(message)
 
     def _send(self, message: dict) -> None:
-        self.outbox.put_nowait(message)
+        text = json.dumps(message)
+        self.outbox_chars += len(text)
+        if self.outbox_chars >= OUTBOX_CHARS:
+            self.drained.clear()
+        self.outbox.put_nowait(text)
+
+    def _close(self, code: int, reason: str = "") -> None:
+        """Close the websocket with `code` once the events before are sent (nothing is sent after)."""
+        self.outbox.put_nowait((code, reason))
 
     async def _deliver(self) -> None:
         while True:
             item = await self.outbox.get()
-            if isinstance(item, int):
-                await self.websocket.close(item)
+            if isinstance(item, tuple):
+                await self.websocket.close(*item)
                 return
-            await self.websocket.send_text(json.dumps(item))
+            await self.websocket.send_text(item)  # waits while the client's connection holds unread data
+            self.outbox_chars -= len(item)
+            if self.outbox_chars < OUTBOX_CHARS:
+                self.drained.set()
 
     def _session_object(self, beta: bool | None = None) -> dict:
         return session_object(self.config, self.id, self.st.model_name, self.beta if beta is None else beta)

@@ -40,7 +40,7 @@ class ServerState:
         self.metrics = Metrics()
         self.preprocess = asyncio.Semaphore(limits.preprocess_workers)
         self._translator: Translator | None = None
-        self.realtime = RealtimeSessions(limits.max_realtime_sessions)
+        self.realtime = RealtimeSessions(limits.max_realtime_sessions, limits.realtime_sessions_per_client)
         self.live_sessions: set = set()  # the LiveSessions of the realtime connections open (for the metrics)
         self.realtime_connections: set = set()  # the RealtimeConnections open (finished at shutdown)
 

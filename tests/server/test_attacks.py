@@ -200,7 +200,7 @@ def _slow_upload(url: str, length: int, first: bytes, source: str = "127.0.0.2")
     sock = socket.socket()
     sock.bind((source, 0))
     sock.connect((host, int(port)))
-    sock.sendall(f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n"
+    sock.sendall(f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {length}\r\n"
                  "Content-Type: multipart/form-data; boundary=b\r\n\r\n".encode() + first)
     return sock
 

@@ -29,7 +29,8 @@ VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silenc
 
 @pytest.fixture(scope="module")
 def server():
-    limits = ServerLimits(api_key=KEY, max_realtime_sessions=2, max_realtime_buffer_seconds=30)
+    limits = ServerLimits(api_key=KEY, max_realtime_sessions=2, max_realtime_sessions_per_client=2,
+                          max_realtime_buffer_seconds=30)
     live = LiveServer(build_app(str(default_model_path()), limits=limits, kv_cache_space_gb=0.25))
     yield live
     live.stop()

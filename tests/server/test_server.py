@@ -705,7 +705,7 @@ def test_an_upload_holds_the_audio_budget_only_for_the_bytes_it_sent(whisper_ser
     slow = socket.create_connection((host, int(port)))
     try:
         head = b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n"
-        slow.sendall(b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Length: 1900000\r\n"
+        slow.sendall(b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1900000\r\n"
                      b"Content-Type: multipart/form-data; boundary=b\r\n\r\n" + head)
         until(lambda: memory.used == len(head), "the slow upload's first bytes to be reserved")
         with whisper_server.http() as http:
