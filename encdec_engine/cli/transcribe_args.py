@@ -10,11 +10,11 @@ when each file is done; openai-whisper prints segments), --fp16 unset (--dtype d
 from __future__ import annotations
 
 import argparse
-import math
 
 from encdec_engine.cli.args import add_engine_args, optional_float, optional_int
 from encdec_engine.checkpoints.names import DEFAULT_MODEL
-from encdec_engine.speech.options import APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS, TranscribeOptions
+from encdec_engine.speech.options import (APPEND_PUNCTUATIONS, PREPEND_PUNCTUATIONS, TranscribeOptions,
+                                          fallback_temperatures)
 from encdec_engine.speech.subtitles import SubtitleOptions
 
 _FORMATS = ["txt", "vtt", "srt", "tsv", "json", "all"]
@@ -130,7 +130,8 @@ def add_transcribe_args(tr: argparse.ArgumentParser) -> None:
                       help="send the stream to a running `encdec serve` (its /v1/realtime) instead of loading a "
                            "model, e.g. http://127.0.0.1:8000")
     live.add_argument("--api-key", default=None,
-                      help="--server: its API key (default: $ENCDEC_API_KEY, else $OPENAI_API_KEY)")
+                      help="--server: its API key (default: $ENCDEC_API_KEY, else $OPENAI_API_KEY; prefer those: "
+                           "every user of the machine sees a flag in `ps`)")
 
     words = tr.add_argument_group("word timestamps")
     words.add_argument("--word-timestamps", action="store_true",
@@ -155,18 +156,14 @@ def add_transcribe_args(tr: argparse.ArgumentParser) -> None:
 
 
 def temperatures(args: argparse.Namespace) -> tuple[float, ...]:
-    """openai-whisper's fallback schedule, numpy.arange(temperature, 1.0 + 1e-6, increment) (its length and
-    values, without importing numpy for --help), or the one temperature without an increment (or above 1,
-    where the schedule is empty)."""
+    """The fallback schedule the flags ask for (speech/options.py's `fallback_temperatures`), its errors
+    naming the flags."""
     start, step = args.temperature, args.temperature_increment_on_fallback
     if start < 0:
         raise ValueError(f"--temperature must be 0 or more, got {start}")
-    if step is None:
-        return (start,)
-    if step <= 0:
+    if step is not None and step <= 0:
         raise ValueError(f"--temperature-increment-on-fallback must be above 0 (or none: no fallback), got {step}")
-    count = max(0, math.ceil((1.0 + 1e-6 - start) / step))
-    return tuple(round(start + k * step, 6) for k in range(count)) or (start,)
+    return fallback_temperatures(start, step)
 
 
 def transcribe_options(args: argparse.Namespace, temps: tuple[float, ...]) -> TranscribeOptions:

@@ -7,7 +7,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
@@ -23,7 +22,7 @@ from encdec_engine.server.uploads import UploadedAudio, job_bytes
 from encdec_engine.speech.writers import render
 from encdec_engine.inputs.audio import N_FRAMES, SAMPLE_RATE
 from encdec_engine.speech.async_driver import transcribe_async
-from encdec_engine.speech.options import TranscribeOptions
+from encdec_engine.speech.options import TranscribeOptions, fallback_temperatures
 from encdec_engine.speech.results import Transcription
 from encdec_engine.speech.transcriber import Transcriber
 
@@ -64,7 +63,7 @@ async def _audio_request(request: Request, task: str) -> Response:
         # and sends each window's text once the window is final: nothing sent is ever taken back.
         try:  # an unknown language is refused by TranscribeOptions, one this checkpoint lacks by the Transcriber
             options = TranscribeOptions(language=getattr(req, "language", None), task=task,
-                                        initial_prompt=req.prompt, temperatures=_fallback_temperatures(req.temperature),
+                                        initial_prompt=req.prompt, temperatures=fallback_temperatures(req.temperature),
                                         word_timestamps=getattr(req, "words", False), chunked=chunking is not None,
                                         vad_filter=vad is not None, vad_parameters=vad and vad.vad_parameters,
                                         **req.decoding_options())
@@ -170,11 +169,6 @@ async def _read_form(request: Request) -> tuple[UploadFile, dict[str, Any]]:
         raise APIError(400, "missing 'file': send the audio as a multipart/form-data part named 'file' (a body "
                             "cut off before its closing boundary loses its last part)", "file")
     return upload, fields
-
-
-def _fallback_temperatures(start: float) -> tuple[float, ...]:
-    """openai-whisper's schedule: from `start` up to 1.0 in steps of 0.2."""
-    return tuple(round(t, 2) for t in np.arange(start, 1.0 + 1e-6, 0.2)) or (start,)
 
 
 async def _transcript_events(st: ServerState, transcriber: Transcriber, job, request_id: str,

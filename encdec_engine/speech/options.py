@@ -13,6 +13,21 @@ PREPEND_PUNCTUATIONS = "\"'“¿([{-"
 APPEND_PUNCTUATIONS = "\"'.。,，!！?？:：”)]}、"
 
 
+def fallback_temperatures(start: float = 0.0, increment: float | None = 0.2) -> tuple[float, ...]:
+    """openai-whisper's temperature fallback schedule, `numpy.arange(start, 1.0 + 1e-6, increment)` (its
+    length and values, rounded to 6 places; numpy is not imported for `encdec --help`), or `start` alone
+    without an increment (or above 1, where the schedule is empty). The one schedule of the Python API's
+    default, the CLI's flags and the server's `temperature` field."""
+    if not math.isfinite(start) or start < 0:
+        raise ValueError(f"temperature must be 0 or more, got {start}")
+    if increment is None:
+        return (float(start),)
+    if not math.isfinite(increment) or increment <= 0:
+        raise ValueError(f"temperature increment must be above 0 (or None: no fallback), got {increment}")
+    count = max(0, math.ceil((1.0 + 1e-6 - start) / increment))
+    return tuple(round(start + k * increment, 6) for k in range(count)) or (float(start),)
+
+
 @dataclass(frozen=True)
 class TranscribeOptions:
     language: str | None = None  # None: English-only checkpoints use English; multilingual ones detect it
@@ -20,7 +35,7 @@ class TranscribeOptions:
     timestamps: bool = True  # timed segments; False decodes with <|notimestamps|> (one segment per window)
     initial_prompt: str | None = None  # text that conditions the first window (<|startofprev|>)
     condition_on_previous_text: bool = True  # long-form: each window sees the previous window's text
-    temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # fallback sequence
+    temperatures: tuple[float, ...] = fallback_temperatures()  # 0.0, 0.2, ..., 1.0: tried in turn
     compression_ratio_threshold: float | None = 2.4  # above: the window looped, retry hotter
     logprob_threshold: float | None = -1.0  # mean token log-probability below: retry hotter
     no_speech_threshold: float | None = 0.6  # no-speech probability above (and an improbable text): skip
