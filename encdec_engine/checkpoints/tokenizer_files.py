@@ -1,7 +1,7 @@
 """Loading a checkpoint's tokenizer from whichever files it ships.
 
 A Whisper `tokenizer.json` with its `tokenizer_config.json` (as transformers 5 writes them, or 4.x
-with `added_tokens_decoder`) is read with `tokenizers` alone (checkpoints/whisper_tokenizer.py), sparing
+with `added_tokens_decoder`) is read with `tokenizers` alone (checkpoints/whisper/tokenizer.py), sparing
 the transformers import, unless it needs rules that module does not repeat. Otherwise transformers reads
 every layout we serve: `tokenizer.json` (the fast tokenizer), the slow files `vocab.json` + `merges.txt`
 (byte-level BPE: BART, GPT-2, Whisper; special tokens from `tokenizer_config.json` /
@@ -23,7 +23,7 @@ import importlib.util
 from pathlib import Path
 
 from encdec_engine.checkpoints.json_files import read_json
-from encdec_engine.checkpoints.whisper_tokenizer import read_whisper_tokenizer
+from encdec_engine.checkpoints.whisper.tokenizer import read_whisper_tokenizer
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -81,7 +81,7 @@ def _tokenizer_class(folder: Path) -> str | None:
 
 
 def load_tokenizer(folder: Path):
-    """The folder's tokenizer: a Whisper tokenizer.json read directly (checkpoints/whisper_tokenizer.py),
+    """The folder's tokenizer: a Whisper tokenizer.json read directly (checkpoints/whisper/tokenizer.py),
     anything else through `AutoTokenizer`."""
     check_tokenizer_files(folder)
     tokenizer = read_whisper_tokenizer(folder)

@@ -11,9 +11,11 @@ back CTranslate2's own int8 values (every row's largest |q| is 127), so nothing 
 Two of torch's CPU int8 kernels multiply them (`worker/cpu_kernels.py` picks per machine):
 
     fbgemm     `quantized::linear_dynamic`: each call quantizes the activations to 8 bits (one
-               scale per call; 7 bits of range, `reduce_range`, because AVX2's u8 x s8 pair
-               sums saturate int16 otherwise) and runs an int8 x int8 GEMM. Every row count;
-               batches go in chunks of `ACTIVATION_ROWS` rows, each with its own scale.
+               scale per call) and runs an int8 x int8 GEMM. Every row count; batches go in
+               chunks of `ACTIVATION_ROWS` rows, each with its own scale. Where AVX2's u8 x s8
+               pair sums would saturate int16 (no VNNI), the activations keep 7 bits of range
+               (`reduce_range`); where the full range sums exactly (`fbgemm_full_range`, checked
+               per machine), all 8: on a VNNI Xeon 7 bits turned "Stella" into "Taylor".
     int8pack   `torch._weight_int8pack_mm`: weight-only int8, fp32 activations. Vectorized for
                AVX-512 only; there it may beat fbgemm on decode rows (few rows: memory bound).
 
@@ -127,6 +129,7 @@ class Int8Weight:
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.bias = None if bias is None else bias.detach().float()
         self.packed = fbgemm_pack(q, scale, self.bias)
+        self.reduce_range = not fbgemm_full_range()  # 7-bit activations where 8 would saturate
         self.decode_kernel, self.decode_rows = decode_kernel, decode_rows
         # Weight-only kernel: its own plain copy (the fbgemm one is in a blocked layout).
         self.q, self.scale = (q.contiguous(), scale.float()) if decode_kernel == "int8pack" else (None, None)
@@ -148,10 +151,10 @@ class Int8Weight:
             return out.view(*x.shape[:-1], self.out_features)
         if rows <= ACTIVATION_ROWS:
             with _plain_tensors():
-                return _linear_dynamic(x.float(), self.packed, True)
+                return _linear_dynamic(x.float(), self.packed, self.reduce_range)
         flat = x.reshape(rows, self.in_features).float()
         with _plain_tensors():
-            out = torch.cat([_linear_dynamic(flat[i : i + ACTIVATION_ROWS], self.packed, True)
+            out = torch.cat([_linear_dynamic(flat[i : i + ACTIVATION_ROWS], self.packed, self.reduce_range)
                              for i in range(0, rows, ACTIVATION_ROWS)])
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -172,6 +175,27 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     return torch.mul(x, scale.reciprocal()).round_().to(torch.int8), scale  # one pass fewer than x / scale
+
+
+@cache
+def fbgemm_full_range() -> bool:
+    """Whether fbgemm's dynamic linear sums 8-bit activations exactly on this machine, so that they need
+    not be cut to 7 bits (`reduce_range`). Without VNNI its u8 x s8 kernels add pairs of products in
+    16 bits, which saturate at the top of the range; with VNNI (vpdpbusd) the sums are 32-bit. Checked
+    on the largest pair sums there are: activations at 255 of 255 against weights of +-127, where a
+    saturating kernel is off by thousands of steps."""
+    if not fbgemm_available():
+        return False
+    rows, features = 4, 256
+    steps = torch.full((rows, features), 255.0)
+    steps[:, 0] = 0.0  # the range [0, 1] in steps of 1/255: every activation quantizes exactly
+    q = torch.full((64, features), INT8_MAX, dtype=torch.int8)
+    q[1::2] = -INT8_MAX
+    x = steps / 255
+    want = x.double() @ q.double().T
+    with _plain_tensors():
+        got = _linear_dynamic(x, fbgemm_pack(q, torch.ones(64), None), False)
+    return bool(torch.allclose(got.double(), want, rtol=0, atol=1e-3 * features))
 
 
 @cache

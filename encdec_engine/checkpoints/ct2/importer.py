@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from encdec_engine.checkpoints.bundled import bundled_fingerprint, bundled_model_dir, verify_bundled
-from encdec_engine.checkpoints.ct2_format import dequantize, read_ct2_header, read_ct2_variables
+from encdec_engine.checkpoints.ct2.bundled import bundled_fingerprint, bundled_model_dir, verify_bundled
+from encdec_engine.checkpoints.ct2.format import dequantize, read_ct2_header, read_ct2_variables
 from encdec_engine.cache import cache_root
 from encdec_engine.files import fsync_file, fsync_folder
 
@@ -337,7 +337,7 @@ def _import_once(src: Path, dst: Path, fingerprint: dict, verify: Callable[[Path
 
 
 def default_model_path(root: str | Path | None = None) -> Path:
-    """Path of the HF checkpoint of the bundled tiny.en model (checkpoints/bundled.py), importing it on
+    """Path of the HF checkpoint of the bundled tiny.en model (checkpoints/ct2/bundled.py), importing it on
     first use.
 
     The cache root is ``root`` if given, else ``$ENCDEC_CACHE`` (default ``~/.cache/encdec-engine``);

@@ -14,7 +14,7 @@ from encdec_engine.config import EngineConfig
 
 PROBE = """
 import json, os, torch
-from encdec_engine.worker.threads import configure_threads
+from encdec_engine.machine.threads import configure_threads
 cores = sorted(os.sched_getaffinity(0))
 out = {"cores": len(cores), "default": configure_threads(None), "torch": torch.get_num_threads(),
        "interop": torch.get_num_interop_threads()}

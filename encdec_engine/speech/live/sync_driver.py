@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 
 from encdec_engine.inputs.audio import SAMPLE_RATE
 from encdec_engine.inputs.pcm_stream import AudioChunks
-from encdec_engine.speech.live_events import LiveEvent
-from encdec_engine.speech.live_session import LiveSession
-from encdec_engine.speech.live_turn import LiveRequest
+from encdec_engine.speech.live.events import LiveEvent
+from encdec_engine.speech.live.session import LiveSession
+from encdec_engine.speech.live.turn import LiveRequest
 
 if TYPE_CHECKING:
     from encdec_engine.engine.llm_engine import LLMEngine

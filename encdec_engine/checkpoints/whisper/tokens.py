@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from encdec_engine.checkpoints.whisper_languages import LANGUAGES, TO_LANGUAGE_CODE
+from encdec_engine.checkpoints.whisper.languages import LANGUAGES, TO_LANGUAGE_CODE
 
 TIME_PRECISION = 0.02  # seconds per timestamp token step
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from encdec_engine.worker.host_memory import keep_freed_memory
+from encdec_engine.machine.host_memory import keep_freed_memory
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
@@ -20,7 +20,7 @@ def test_large_tensors_made_step_after_step_stop_faulting_in_fresh_pages():
     Each case in a fresh process: the setting is process-wide."""
     code = """
 import resource, sys, torch
-from encdec_engine.worker.host_memory import keep_freed_memory
+from encdec_engine.machine.host_memory import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 def step():

@@ -19,9 +19,9 @@ import numpy as np
 
 from encdec_engine.engine.async_engine import AsyncLLMEngine, EngineStepError, RequestFailedError
 from encdec_engine.outputs import RequestOutput
-from encdec_engine.speech.live_events import LiveEvent
-from encdec_engine.speech.live_session import LiveSession
-from encdec_engine.speech.live_turn import LiveRequest
+from encdec_engine.speech.live.events import LiveEvent
+from encdec_engine.speech.live.session import LiveSession
+from encdec_engine.speech.live.turn import LiveRequest
 
 _ids = itertools.count()
 _ARRIVALS = 4096  # appends remembered for the lag (about 7 minutes of 100 ms chunks)

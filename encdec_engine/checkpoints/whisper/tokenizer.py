@@ -32,7 +32,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 
 from encdec_engine.checkpoints.json_files import read_json
-from encdec_engine.checkpoints.whisper_languages import LANGUAGES, TO_LANGUAGE_CODE
+from encdec_engine.checkpoints.whisper.languages import LANGUAGES, TO_LANGUAGE_CODE
 
 logger = logging.getLogger(__name__)
 

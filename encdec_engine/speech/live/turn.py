@@ -1,7 +1,7 @@
 """One turn of a live stream: its audio buffer, the words confirmed so far, and the next decode.
 
 While the turn lasts, its buffer is decoded again each time `min_chunk_seconds` of new audio has come
-(a PARTIAL decode), and LocalAgreement (live_agreement.py) confirms the words that the last `agreement`
+(a PARTIAL decode), and LocalAgreement (live/agreement.py) confirms the words that the last `agreement`
 hypotheses share after the words confirmed before: those go out as deltas. Once the turn has ended, one
 FINAL decode reads its whole buffer, with exactly the request offline transcription makes for that
 audio, and gives the turn's final text; a last delta sends its words after the confirmed ones.
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from encdec_engine.checkpoints.whisper_tokens import TIME_PRECISION
+from encdec_engine.checkpoints.whisper.tokens import TIME_PRECISION
 from encdec_engine.inputs.audio import N_SAMPLES, SAMPLE_RATE
 from encdec_engine.sampling_params import SamplingParams
-from encdec_engine.speech.live_agreement import Hypothesis, Word, agreed_words, align
-from encdec_engine.speech.live_model import LiveModel
-from encdec_engine.speech.live_options import LiveOptions
+from encdec_engine.speech.live.agreement import Hypothesis, Word, agreed_words, align
+from encdec_engine.speech.live.model import LiveModel
+from encdec_engine.speech.live.options import LiveOptions
 
 # A turn's buffer is first decoded once it holds this much audio. With 0.3 s chunks, 1.0 s let the first
 # hypotheses agree on words tiny.en mishears at a clip's start (deltas 8.2% from the final text, 6.6% with

@@ -28,9 +28,9 @@ import logging
 from dataclasses import dataclass
 from functools import cached_property
 
-from encdec_engine.checkpoints.whisper_defaults import (MAX_INITIAL_TIMESTAMP_INDEX, begin_suppress_tokens,
+from encdec_engine.checkpoints.whisper.defaults import (MAX_INITIAL_TIMESTAMP_INDEX, begin_suppress_tokens,
                                                    suppress_tokens)
-from encdec_engine.checkpoints.whisper_languages import LANGUAGES
+from encdec_engine.checkpoints.whisper.languages import LANGUAGES
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
+from encdec_engine.checkpoints.whisper.tokens import WhisperTokens
 from encdec_engine.inputs.prompts import check_unicode
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.speech.timestamp_rules import TimestampRules, timestamp_rules_from_generation_config

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from encdec_engine.checkpoints.whisper_tokens import known_language_code
+from encdec_engine.checkpoints.whisper.tokens import known_language_code
 
 MAX_PROMPT_CHARS = 8192  # as the transcription endpoint's `prompt`
 
@@ -52,7 +52,7 @@ class LiveOptions:
     # is dropped), so a shorter chunk costs idle CPU, not streams. bench_realtime.py, tiny.en fp32, 2 cores:
     # p95 word lag 2.14 / 2.18 / 2.44 s at 1 / 2 / 4 streams with 0.5 s, 1.21 / 1.20 / 2.46 s with 0.3 s,
     # 1.04 / 1.47 / 2.62 s with 0.2 s (there the decodes of 2 and 4 streams already wait on each other);
-    # 0.3 s with the first decode at 1.5 s (live_turn.py), the default: 1.47-1.52 / 1.45-1.46 / 2.28-2.40 s
+    # 0.3 s with the first decode at 1.5 s (live/turn.py), the default: 1.47-1.52 / 1.45-1.46 / 2.28-2.40 s
     # over two runs.
     min_chunk_seconds: float = 0.3
     # LocalAgreement-n: words are confirmed once this many successive hypotheses of the growing buffer

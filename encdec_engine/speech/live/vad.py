@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from encdec_engine.inputs.audio import SAMPLE_RATE
-from encdec_engine.speech.live_options import TurnDetection
+from encdec_engine.speech.live.options import TurnDetection
 
 FRAME_SAMPLES = 512  # 32 ms at 16 kHz, the frame Silero VAD reads
 CONTEXT_SAMPLES = 64  # samples of the frame before, prepended to each frame

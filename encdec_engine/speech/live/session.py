@@ -1,5 +1,5 @@
 """One live stream: its audio as it arrives, turn detection, its turns in order, and the engine request a
-driver should send next. Engine-independent: a driver (live_sync.py over `LLMEngine`, live_async.py over
+driver should send next. Engine-independent: a driver (live/sync_driver.py over `LLMEngine`, live/async_driver.py over
 `AsyncLLMEngine`) sends `next_request()` to the engine and hands the result back to `take()`; at most one
 request of a session is in flight, so its turns complete in the order they were committed.
 
@@ -19,12 +19,12 @@ import numpy as np
 
 from encdec_engine.inputs.audio import SAMPLE_RATE
 from encdec_engine.outputs import RequestOutput
-from encdec_engine.speech.live_events import (Cleared, Committed, LiveEvent, SpeechStarted, SpeechStopped,
+from encdec_engine.speech.live.events import (Cleared, Committed, LiveEvent, SpeechStarted, SpeechStopped,
                                               TranscriptCompleted, TranscriptDelta, TranscriptFailed)
-from encdec_engine.speech.live_model import LiveModel
-from encdec_engine.speech.live_options import LiveOptions
-from encdec_engine.speech.live_turn import Kind, LiveRequest, LiveTurn
-from encdec_engine.speech.live_vad import FRAME_SAMPLES, Mark, TurnDetector
+from encdec_engine.speech.live.model import LiveModel
+from encdec_engine.speech.live.options import LiveOptions
+from encdec_engine.speech.live.turn import Kind, LiveRequest, LiveTurn
+from encdec_engine.speech.live.vad import FRAME_SAMPLES, Mark, TurnDetector
 
 MIN_COMMIT_SAMPLES = SAMPLE_RATE // 10  # OpenAI refuses to commit less than 100 ms of audio
 
