@@ -1,4 +1,31 @@
-"""encdec-engine: a paged-KV serving engine for encoder/decoder transformers."""
+"""encdec-engine: a paged-KV serving engine for encoder/decoder transformers, for Python (LLM), a CLI and a server.
+
+    __init__.py          the public names: LLM, SamplingParams, RequestOutput, CompletionOutput, prompt types
+    llm.py               the offline API: LLM.generate, summarize, translate, transcribe, transcribe_iter,
+                         transcribe_segments, transcribe_live
+    config.py            EngineConfig: one dataclass, validated at construction
+    sampling_params.py   SamplingParams (vLLM names, Hugging Face semantics) and its caps
+    outputs.py           RequestOutput, CompletionOutput: what a request gives back
+    sequence.py          the records every layer shares: SequenceStatus, SequenceData, EncoderSequence
+    probes.py            what a prefill reports besides samples: no-speech probability, prompt logprobs,
+                         cross-attention weights
+    cache.py             where the engine keeps what it makes once per machine (imported models, calibration)
+    files.py             atomic files (written to a temporary name, synced, renamed)
+    inputs/              prompts and their parsing, preprocessing, audio loading, the Whisper log-mel
+    engine/              requests in, outputs out: scheduler, block manager, output processing, async engine
+    worker/              the model runner: a step's flat inputs, the paged KV pool, CUDA graphs
+    machine/             tuning to the machine: the CPU linear kernel, torch's threads, malloc
+    attention/           attention metadata (a view per attention type), the layer, backends, kernels
+    layers/              sampler, logits processors, linears, activations, norms, rotary embeddings
+    quantization/        int8 weights and the int8 KV cache
+    models/              the architectures (BART family, T5, Whisper, GPT-2, Llama) and their registry
+    checkpoints/         reading checkpoints: weights, configs, tokenizers, the hub, model names
+    translation/         text tasks above the engine: languages, each family's conventions, tasks
+    speech/              the speech pipeline (Whisper): audio in, timed text out, offline and live
+    server/              the OpenAI-compatible HTTP server
+    cli/                 the `encdec` command
+    distributed/         batch jobs and replicated serving on Ray (an optional extra)
+"""
 
 from __future__ import annotations
 

@@ -13,16 +13,16 @@ from encdec_engine.config import EngineConfig
 from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.inputs.prompts import PromptType
 from encdec_engine.checkpoints.names import DEFAULT_MODEL
-from encdec_engine.checkpoints.whisper_tokenizer import WhisperTextTokenizer
+from encdec_engine.checkpoints.whisper.tokenizer import WhisperTextTokenizer
 from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.inputs.audio import audio_inputs
 from encdec_engine.inputs.pcm_stream import AudioChunks
-from encdec_engine.speech.live_events import LiveEvent
-from encdec_engine.speech.live_model import LiveModel
-from encdec_engine.speech.live_options import LiveOptions
-from encdec_engine.speech.live_session import LiveSession
-from encdec_engine.speech.live_sync import stream_live
+from encdec_engine.speech.live.events import LiveEvent
+from encdec_engine.speech.live.model import LiveModel
+from encdec_engine.speech.live.options import LiveOptions
+from encdec_engine.speech.live.session import LiveSession
+from encdec_engine.speech.live.sync_driver import stream_live
 from encdec_engine.speech.offline import TranscriptionUpdate, stream_transcriptions
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.results import Segment, Transcription
@@ -164,7 +164,7 @@ class LLM:
                         **options) -> Iterator[LiveEvent]:
         """Transcribe live audio as it comes: `chunks` is an iterable of mono audio chunks (PCM16 bytes, int16
         arrays, or float arrays in [-1, 1]) at `sample_rate`, e.g. from a microphone; it may block until
-        audio arrives. Yields events as they happen (speech/live_events.py): `SpeechStarted`,
+        audio arrives. Yields events as they happen (speech/live/events.py): `SpeechStarted`,
         `TranscriptDelta` (confirmed text, never taken back, while the turn is spoken), `SpeechStopped`,
         `Committed`, `TranscriptCompleted` (a turn's final text). `options` are LiveOptions fields, e.g.
         `turn_detection=None` (one turn, ended when the chunks end) or `turn_detection={"silence_duration_ms":

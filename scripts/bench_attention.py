@@ -62,7 +62,7 @@ def main() -> int:
     import torch
 
     from bench_whisper import cpu_line
-    from encdec_engine.worker.host_memory import keep_freed_memory
+    from encdec_engine.machine.host_memory import keep_freed_memory
 
     keep_freed_memory()  # as the engine runs: a call's temporaries reuse the last call's pages
     torch.set_num_threads(args.threads)

@@ -19,7 +19,7 @@ no encoder-output reuse); and it says whether anything imported transformers (th
 should not). Printed: CPU model and flags, each system's wall seconds, its ratio to
 faster-whisper int8 (above 1: the row is faster), and its WER against the spoken text.
 
-    python scripts/bench_cli.py --fw-python /work/peer-venvs/fw/bin/python \\
+    python scripts/bench_cli.py --fw-python peer-venvs/fw/bin/python \\
         [--whispercpp-python P --ggml-model F] [--rounds 3] [--threads 2] [--long-minutes 5]
 """
 
@@ -63,7 +63,7 @@ marks = [("start", time.perf_counter())]
 import torch
 marks.append(("import torch", time.perf_counter()))
 from encdec_engine import LLM
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 marks.append(("import encdec_engine", time.perf_counter()))
 torch.set_num_threads(int(sys.argv[2]))
 # No encoder-output reuse: the second pass then redoes the whole job, as bench_whisper.py times it.
@@ -78,7 +78,7 @@ print(json.dumps({"phases": [(name, t - prev) for (name, t), (_, prev) in zip(ma
 
 
 def bundled_ct2() -> str:
-    from encdec_engine.checkpoints.bundled import bundled_model_dir
+    from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
 
     return str(bundled_model_dir())
 

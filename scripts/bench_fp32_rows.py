@@ -1,6 +1,6 @@
 """fp32 decode rows: MKL `F.linear` against oneDNN's packed weights, alone and inside the decode step.
 
-The fp32 linear kernel is chosen per machine (`worker/cpu_kernels.py`), not per weight shape.
+The fp32 linear kernel is chosen per machine (`machine/cpu_kernels.py`), not per weight shape.
 This script is the measurement behind that: timed alone, MKL takes one tiny.en decode row through
 a 384-wide layer in about half oneDNN's time, which suggests routing decode rows to MKL per
 shape. Inside the decode step it does not hold, so the per-machine choice stays. It prints:
@@ -67,9 +67,9 @@ def alone() -> None:
 
 def engine(kernel: str):
     from encdec_engine import LLM
-    from encdec_engine.worker import cpu_kernels
+    from encdec_engine.machine import cpu_kernels
     from encdec_engine.layers.linear import PackedWeight
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     os.environ["ENCDEC_CPU_LINEAR"] = kernel
     cpu_kernels.machine_plan.cache_clear()

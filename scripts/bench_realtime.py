@@ -1,6 +1,6 @@
 """Live transcription benchmark: N simulated clients, each streaming a different recording at real-time pace
 over /v1/realtime (OpenAI's Realtime protocol, 100 ms chunks of pcm16 at 24 kHz, server_vad), for N = 1, 2,
-4, 8, 16, ... Beside it, in the same run, the same streaming policy (speech/live_session.py: the same VAD,
+4, 8, 16, ... Beside it, in the same run, the same streaming policy (speech/live/session.py: the same VAD,
 turns, LocalAgreement and final decode) driven through faster-whisper one stream at a time, the way
 whisper_streaming runs, to show what batching every stream's re-decodes into one engine buys.
 
@@ -220,10 +220,10 @@ def engine_run(url: str, recs: list[Recording], times: dict, pid: int) -> Run:
 def faster_whisper_run(recs: list[Recording], times: dict, live_model, compute_type: str, threads: int) -> Run:
     from faster_whisper import WhisperModel
 
-    from encdec_engine.checkpoints.bundled import bundled_model_dir
-    from encdec_engine.speech.live_events import SpeechStopped, TranscriptCompleted, TranscriptDelta
-    from encdec_engine.speech.live_options import LiveOptions
-    from encdec_engine.speech.live_session import LiveSession
+    from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
+    from encdec_engine.speech.live.events import SpeechStopped, TranscriptCompleted, TranscriptDelta
+    from encdec_engine.speech.live.options import LiveOptions
+    from encdec_engine.speech.live.session import LiveSession
 
     model = WhisperModel(str(bundled_model_dir()), device="cpu", compute_type=compute_type, cpu_threads=threads)
     sot_prev = live_model.tokens.sot_prev
@@ -376,7 +376,7 @@ def main() -> int:
             server.wait(60)
     if not args.no_faster_whisper:
         from encdec_engine.llm import LLM
-        from encdec_engine.speech.live_model import LiveModel
+        from encdec_engine.speech.live.model import LiveModel
 
         live_model = LiveModel(LLM(threads=args.threads, kv_cache_space_gb=0.1).engine)  # token facts only
         compute = "int8" if args.quantization else "float32"

@@ -51,7 +51,7 @@ def in_process(args, model, inputs) -> tuple[float, float, list]:
 
     from encdec_engine import LLM, SamplingParams
     from encdec_engine.inputs.prompt_files import load_prompt_file
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     torch.set_num_threads(1)
     start = time.perf_counter()

@@ -55,7 +55,7 @@ def make_checkpoint(size: str) -> Path:
     import torch
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     entry = json.loads((MODELS / "configs" / "whisper.json").read_text())[size]
     torch.manual_seed(entry["seed"])
@@ -112,7 +112,7 @@ def engine_worker(args) -> dict:
     import torch
 
     from encdec_engine import LLM, SamplingParams
-    from encdec_engine.worker.cpu_kernels import machine_plan
+    from encdec_engine.machine.cpu_kernels import machine_plan
 
     torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,

@@ -23,7 +23,7 @@ Each system runs in a process of its own, faster-whisper with the Python of its 
 it is installed in the project's); the best of --repeats counts. The tokens of the longest run are
 compared with faster-whisper's of the same compute type (tokens equal at their position).
 
-    python scripts/bench_step.py --fw-python /work/peer-venvs/fw/bin/python [--threads 2] \\
+    python scripts/bench_step.py --fw-python peer-venvs/fw/bin/python [--threads 2] \\
         [--tokens 101] [--tokens-low 1] [--repeats 5] [--kv-int8]
 """
 
@@ -89,8 +89,8 @@ def engine_worker(args) -> dict:
     import torch
 
     from encdec_engine import LLM
-    from encdec_engine.checkpoints.bundled import bundled_model_dir
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     torch.set_num_threads(args.threads)
     llm = LLM(model=str(default_model_path()), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -104,7 +104,7 @@ def engine_worker(args) -> dict:
         high = {k: v - low[k] for k, v in timers.totals.items()}
     steps = args.tokens - args.tokens_low
     result["parts_ms"] = {k: 1e3 * (high[k] - low[k]) / steps for k in PARTS}
-    from encdec_engine.worker.cpu_kernels import machine_plan
+    from encdec_engine.machine.cpu_kernels import machine_plan
 
     result["kernels"] = machine_plan(int8=args.quantization == "int8").describe()
     return result
@@ -214,7 +214,7 @@ def main() -> int:
 
     from bench_whisper import cpu_line
 
-    from encdec_engine.checkpoints.bundled import bundled_model_dir
+    from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
 
     ct2_model = bundled_model_dir()
 

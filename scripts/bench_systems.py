@@ -66,7 +66,7 @@ def engine(job: dict):
                 raise RuntimeError(o.error)
         return [(o.text.strip(), text_tokens([t for s in o.segments for t in s.tokens])) for o in outs]
 
-    from encdec_engine.worker.cpu_kernels import machine_plan
+    from encdec_engine.machine.cpu_kernels import machine_plan
 
     return run, machine_plan(int8=opts.get("quantization") == "int8").describe()
 

@@ -119,7 +119,7 @@ def build_recording(minutes: float, seed: int = 0) -> LongRecording:
 
 def engine_systems(threads: int, sequential: bool, beam_size: int) -> list[tuple[str, Transcribe]]:
     from encdec_engine import LLM
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     torch.set_num_threads(threads)
     llms = {q: LLM(model=str(default_model_path()), quantization=q, enable_prefix_caching=False)
@@ -144,7 +144,7 @@ def engine_systems(threads: int, sequential: bool, beam_size: int) -> list[tuple
 
 
 def faster_whisper_system(compute_type: str, threads: int, batch_size: int, beam_size: int) -> Transcribe:
-    from encdec_engine.checkpoints.bundled import bundled_model_dir
+    from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
     from faster_whisper import BatchedInferencePipeline, WhisperModel
 
     ct2 = bundled_model_dir()
@@ -201,7 +201,7 @@ def main() -> int:
 
         soundfile.write(args.save_audio, recs[0].samples, SAMPLE_RATE)
     systems = engine_systems(args.threads, args.sequential, args.beam_size)
-    from encdec_engine.worker.cpu_kernels import machine_plan
+    from encdec_engine.machine.cpu_kernels import machine_plan
 
     print(f"engine kernels: {machine_plan(int8=False).describe()}; {machine_plan(int8=True).describe()}")
     for compute_type in ("float32", "int8"):

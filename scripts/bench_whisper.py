@@ -24,9 +24,9 @@ per second, WER against the spoken text, agreement with the engine's fp32 output
 for the clips), and its time relative to the engine, then the issue's targets with every ratio.
 
 Peer setup (once; see the README's Performance section):
-    python -m venv /work/peer-venvs/fw && /work/peer-venvs/fw/bin/pip install faster-whisper soundfile
-    python -m venv /work/peer-venvs/whispercpp && .../bin/pip install pywhispercpp==1.5.1 numpy soundfile
-    python -m venv /work/peer-venvs/openai && .../bin/pip install torch==2.13.0 openai-whisper soundfile
+    python -m venv peer-venvs/fw && peer-venvs/fw/bin/pip install faster-whisper soundfile
+    python -m venv peer-venvs/whispercpp && .../bin/pip install pywhispercpp==1.5.1 numpy soundfile
+    python -m venv peer-venvs/openai && .../bin/pip install torch==2.13.0 openai-whisper soundfile
     and a ggml f16 file and an openai-whisper .pt converted from the engine's tiny.en folder.
 
     python scripts/bench_whisper.py --fw-python P --whispercpp-python P --ggml-model F \\
@@ -205,8 +205,8 @@ def run_rounds(rows: list[System], workload: str, audio: list[Audio], args, tmp:
 
 
 def systems(args) -> list[System]:
-    from encdec_engine.checkpoints.bundled import bundled_model_dir
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     hf_dir = str(default_model_path())
     me = sys.executable
@@ -247,7 +247,7 @@ def wer(refs: list[str], hyps: list[str]) -> float:
 def cpu_line() -> str:
     import torch
 
-    from encdec_engine.worker.cpu_kernels import cpu_model
+    from encdec_engine.machine.cpu_kernels import cpu_model
 
     flags = set()
     try:

@@ -48,7 +48,7 @@ class Recorder:
 def faster_whisper_run(path: Path, threads: int) -> list[list[tuple[float, int, int]]]:
     from faster_whisper import WhisperModel
 
-    from encdec_engine.checkpoints.bundled import bundled_model_dir
+    from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
 
     model = WhisperModel(str(bundled_model_dir()), device="cpu", compute_type="int8", cpu_threads=threads)
     recorder = Recorder(model.model)

@@ -33,7 +33,7 @@ run)
     export PYTHONPATH="$PWD:$PWD/$carry${PYTHONPATH:+:$PYTHONPATH}"
     python3 -c "import torch, triton, transformers, xformers; print('torch', torch.__version__, 'triton',
 triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$out/env.log"
-    [[ $steps == *tests* ]] && python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+    [[ $steps == *tests* ]] && python3 -m pytest -q -p no:cacheprovider -m gpu tests/worker/test_gpu.py \
         -k "not whisper_tiny_en" 2>&1 | tail -40 | tee "$out/gpu_tests.log"
     [[ $steps == *bart* ]] && python3 scripts/bench_throughput.py --device cuda --dtype bfloat16 --size large --num-requests 1000 \
         --hf-batch-sizes 64,256 --checkpoint /tmp/bart-large 2>&1 | grep -v "^\[transformers\]" \

@@ -46,9 +46,9 @@ def main() -> int:
 
     from encdec_engine import LLM
     from encdec_engine.attention.ops import onednn_attention
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
     from encdec_engine.quantization.int8_weights import int_mm_is_exact
-    from encdec_engine.worker import cpu_kernels
+    from encdec_engine.machine import cpu_kernels
 
     torch.set_num_threads(args.threads)
     print(cpu_line())

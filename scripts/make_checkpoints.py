@@ -41,7 +41,7 @@ def entries(arch: str) -> list[str]:
 
 def tiny_en(out: Path) -> Path:
     """Copy the offline default (importing it first if needed) to `out`."""
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     src = default_model_path()
     shutil.copytree(src, out, ignore=shutil.ignore_patterns(".encdec-import.json"))

@@ -16,11 +16,11 @@ tests/test_openai_whisper_parity.py compares the engine with, and print each sys
    temperatures, on the CTranslate2 weights the default model is imported from).
 
 Setting up openai-whisper's venv (CPU torch first, so that no CUDA build is pulled):
-    python -m venv /work/peer-venvs/openai-whisper-ref
-    /work/peer-venvs/openai-whisper-ref/bin/pip install torch==2.13.0 numpy regex requests tqdm
-    /work/peer-venvs/openai-whisper-ref/bin/pip install --no-deps openai-whisper tiktoken more-itertools numba llvmlite
+    python -m venv peer-venvs/openai-whisper-ref
+    peer-venvs/openai-whisper-ref/bin/pip install torch==2.13.0 numpy regex requests tqdm
+    peer-venvs/openai-whisper-ref/bin/pip install --no-deps openai-whisper tiktoken more-itertools numba llvmlite
 
-Usage: python scripts/openai_whisper_reference.py --openai-python /work/peer-venvs/openai-whisper-ref/bin/python \
+Usage: python scripts/openai_whisper_reference.py --openai-python peer-venvs/openai-whisper-ref/bin/python \
            [--faster-whisper-python PATH] [--out tests/data/openai_whisper_reference.json]
 """
 
@@ -137,8 +137,8 @@ def main() -> None:
     from recordings import AUDIO, RECORDINGS, build, spoken_text
 
     from encdec_engine import LLM
-    from encdec_engine.checkpoints.bundled import bundled_model_dir
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
     from encdec_engine.inputs.audio import load_audio
 
     names = list(LONG) + list(RECORDINGS)

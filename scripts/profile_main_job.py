@@ -121,7 +121,7 @@ def main() -> int:
 
     from encdec_engine import LLM
     from encdec_engine.inputs.audio import load_audio
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     llm = LLM(model=str(default_model_path()), quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               enable_prefix_caching=False)

@@ -117,7 +117,7 @@ def make_whisper(dst: Path, name: str = "tiny-80", multilingual: bool = False, s
     generation config (max_length 40: random weights never stop) to `dst`."""
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     src = default_model_path()
     entry = model_entry("whisper", name)

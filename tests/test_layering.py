@@ -1,5 +1,5 @@
 """Imports run one way, down: cli -> distributed -> server -> llm -> speech/translation -> engine -> worker/inputs ->
-models -> attention/checkpoints -> quantization -> layers -> common, with no circle anywhere.
+models -> attention/checkpoints/machine -> quantization -> layers -> common, with no circle anywhere.
 
 The engine core (engine/, worker/, attention/, models/, layers/, quantization/) is model-agnostic: it never
 imports the speech pipeline (speech/), which drives the engine from above. A project import inside a
@@ -15,7 +15,7 @@ LEVELS = {
     "sequence": 0, "sampling_params": 0, "outputs": 0, "config": 0, "cache": 0, "files": 0, "probes": 0,
     "layers": 1,
     "quantization": 2,
-    "attention": 3, "checkpoints": 3,
+    "attention": 3, "checkpoints": 3, "machine": 3,
     "models": 4,
     "worker": 5, "inputs": 5,
     "engine": 6,
@@ -25,7 +25,7 @@ LEVELS = {
     "distributed": 10,  # batch jobs and replicated serving on Ray; its flags and commands live in cli/
     "cli": 11,
 }
-CORE = ("engine", "worker", "attention", "models", "layers", "quantization")
+CORE = ("engine", "worker", "machine", "attention", "models", "layers", "quantization")
 SPEECH = "encdec_engine.speech"
 
 

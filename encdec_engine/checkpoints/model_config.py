@@ -3,7 +3,7 @@
 `AutoConfig` costs a transformers import (about a second) before it reads the file. For Whisper the
 engine reads config.json itself: every field of `WhisperConfig` with its default, overlaid by what
 the file says (files written by older transformers releases leave defaults out), with transformers'
-aliases (`hidden_size` -> `d_model`, ...). tests/test_whisper_files.py checks each field against
+aliases (`hidden_size` -> `d_model`, ...). tests/checkpoints/test_whisper_files.py checks each field against
 `AutoConfig` on the configs it writes. Other model types go through `AutoConfig`.
 """
 

@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterator
 
 from encdec_engine.cli.args import api_key, check_engine_args, error, load_llm
-from encdec_engine.speech.live_events import LiveEvent, TranscriptCompleted, TranscriptDelta, TranscriptFailed
-from encdec_engine.speech.live_options import LiveOptions, TurnDetection
+from encdec_engine.speech.live.events import LiveEvent, TranscriptCompleted, TranscriptDelta, TranscriptFailed
+from encdec_engine.speech.live.options import LiveOptions, TurnDetection
 
 CHUNK_SECONDS = 0.1  # what is read (stdin) or played (a file) at a time
 FINISH_TIMEOUT = 120.0  # s a server may take for the last turns once the stream has ended

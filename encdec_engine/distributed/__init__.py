@@ -8,10 +8,10 @@
     cluster.py         joining a Ray cluster or starting a local one
     serving.py         N engine replicas of the OpenAI-compatible server behind Ray Serve
     metrics_merge.py   the replicas' Prometheus texts as one
-    cli.py             the `--ray`, `--replicas`, ... flags of the `encdec` commands
 
-Nothing here imports Ray until a job or a server starts, and the engine never imports this package:
-the base install works without Ray (`pip install 'encdec-engine[ray]'` adds it).
+The `--ray`, `--replicas`, ... flags of the `encdec` commands live in cli/ray.py. Nothing here imports Ray
+until a job or a server starts, and the engine never imports this package: the base install works
+without Ray (`pip install 'encdec-engine[ray]'` adds it).
 """
 
 from __future__ import annotations

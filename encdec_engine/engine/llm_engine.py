@@ -27,8 +27,8 @@ from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
 from encdec_engine.worker.cuda_graphs import graph_batch_sizes
 from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool, weight_bytes
 from encdec_engine.worker.model_runner import ModelRunner
-from encdec_engine.worker.host_memory import keep_freed_memory
-from encdec_engine.worker.threads import configure_threads
+from encdec_engine.machine.host_memory import keep_freed_memory
+from encdec_engine.machine.threads import configure_threads
 
 logger = logging.getLogger(__name__)
 _GiB = 1 << 30

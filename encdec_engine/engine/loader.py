@@ -14,7 +14,7 @@ from torch import nn
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
 from encdec_engine.attention.ops import cpu_decode, onednn_attention
-from encdec_engine.worker.cpu_kernels import machine_plan, prepare_cpu_linears
+from encdec_engine.machine.cpu_kernels import machine_plan, prepare_cpu_linears
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.encdec_layers import EncDecAttention
 from encdec_engine.checkpoints.generation_config import decoder_start_token_id, load_generation_config
@@ -22,7 +22,7 @@ from encdec_engine.checkpoints.model_config import read_whisper_config
 from encdec_engine.checkpoints.names import resolve
 from encdec_engine.checkpoints.tokenizer_files import load_tokenizer, tokenizer_if_any
 from encdec_engine.checkpoints.weights import iter_checkpoint, weight_files
-from encdec_engine.checkpoints.whisper_vocab import add_timestamp_tokens, complete_whisper_generation_config
+from encdec_engine.checkpoints.whisper.vocab import add_timestamp_tokens, complete_whisper_generation_config
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
@@ -136,7 +136,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     for module in model.modules():
         if isinstance(module, EncDecAttention):
             module.fold_query_scaling()
-    plan = prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (worker/cpu_kernels.py)
+    plan = prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (machine/cpu_kernels.py)
     if plan is not None and hasattr(backend, "onednn_attention") and machine_plan(int8=False).fp32 == "onednn":
         # Long prefill attention on the linears' library; in bf16 where int8 weights already trade exactness.
         bf16 = config.quantization == "int8" and onednn_attention.bf16_supported()

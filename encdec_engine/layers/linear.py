@@ -13,7 +13,7 @@ AVX-512, fp32 (ms, `F.linear` -> packed):
     384 -> 51,864         16      9.81     2.19
 
 On an AVX2-only EPYC the two are about even, so whether to pack is decided per machine
-(`worker/cpu_kernels.py`). The results differ from `F.linear` only in summation order (~1e-6
+(`machine/cpu_kernels.py`). The results differ from `F.linear` only in summation order (~1e-6
 relative). Elsewhere (CUDA, other dtypes, a torch built without oneDNN) everything stays on
 `F.linear`.
 """

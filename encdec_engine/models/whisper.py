@@ -21,7 +21,7 @@ from encdec_engine.attention.metadata import AttentionMetadata
 from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.models.encdec_layers import EncDecLayer, decoder_kv_cache_spec
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
-from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
+from encdec_engine.checkpoints.whisper.tokens import WhisperTokens
 from encdec_engine.checkpoints.weights import WeightLoader
 
 
@@ -101,7 +101,7 @@ class WhisperForConditionalGeneration(nn.Module):
         a layer's reaches 556 where most values are below 1). Measured on 44 clips (tiny.en, greedy):
         every linear in fbgemm's int8 (a 7-bit scale per 512 rows) decoded 29 clips to the fp32 tokens,
         10.5% WER against fp32's 9.1%; these 4 in fp32, 35 clips and 8.2%. Under quantization="int8"
-        they take a scale per row where the machine allows (worker/cpu_kernels.py), else fp32."""
+        they take a scale per row where the machine allows (machine/cpu_kernels.py), else fp32."""
         return [layer.fc2 for layer in self.encoder.layers]
 
     def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:

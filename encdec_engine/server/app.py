@@ -52,15 +52,15 @@ from encdec_engine.config import EngineConfig
 from encdec_engine.engine.async_engine import AsyncLLMEngine
 from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.server import protocol as P
-from encdec_engine.server import audio, completions, info, realtime
+from encdec_engine.server import audio, completions, info, realtime, routes
 from encdec_engine.server.errors import APIError, internal_error
 from encdec_engine.server.gate import Gate
 from encdec_engine.server.limits import ServerLimits
 from encdec_engine.server.openapi import ModelFacts, install_openapi
 from encdec_engine.server.origins import ANY, is_loopback
 from encdec_engine.server.state import ServerState
-from encdec_engine.checkpoints.whisper_languages import LANGUAGES, TO_LANGUAGE_CODE
-from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
+from encdec_engine.checkpoints.whisper.languages import LANGUAGES, TO_LANGUAGE_CODE
+from encdec_engine.checkpoints.whisper.tokens import WhisperTokens
 
 __all__ = ["ServerLimits", "build_app", "run_server"]
 
@@ -117,7 +117,7 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
         await async_engine.shutdown(timeout=shutdown_timeout)
 
     app = FastAPI(title="encdec-engine", summary="OpenAI-compatible serving of encoder/decoder models",
-                  lifespan=lifespan, docs_url=None)
+                  lifespan=lifespan, docs_url=None, redoc_url=routes.REDOC, openapi_url=routes.OPENAPI)
     app.state.server = state
     _install_swagger_ui(app)
     for endpoints in (info.router, completions.router, audio.router, realtime.router):
@@ -131,17 +131,17 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
 def _install_swagger_ui(app: FastAPI) -> None:
     """/docs: Swagger UI from the swagger-ui-bundle package, so that it works offline (FastAPI's own
     fetches its scripts from a CDN)."""
-    app.mount("/docs/static", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+    app.mount(routes.DOCS_STATIC, StaticFiles(directory=swagger_ui_path), name="swagger-ui")
 
-    @app.get("/docs", include_in_schema=False)
+    @app.get(routes.DOCS, include_in_schema=False)
     async def swagger_ui() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - Swagger UI",
-                                   oauth2_redirect_url="/docs/oauth2-redirect",
-                                   swagger_js_url="/docs/static/swagger-ui-bundle.js",
-                                   swagger_css_url="/docs/static/swagger-ui.css",
-                                   swagger_favicon_url="/docs/static/favicon-32x32.png")
+                                   oauth2_redirect_url=routes.DOCS_OAUTH2_REDIRECT,
+                                   swagger_js_url=f"{routes.DOCS_STATIC}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{routes.DOCS_STATIC}/swagger-ui.css",
+                                   swagger_favicon_url=f"{routes.DOCS_STATIC}/favicon-32x32.png")
 
-    @app.get("/docs/oauth2-redirect", include_in_schema=False)
+    @app.get(routes.DOCS_OAUTH2_REDIRECT, include_in_schema=False)
     async def swagger_ui_redirect() -> HTMLResponse:
         return get_swagger_ui_oauth2_redirect_html()
 

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from encdec_engine.server import protocol as P
+from encdec_engine.server import routes
 from encdec_engine.server.errors import APIError, engine_error
 from encdec_engine.server.limits import Reservation, Ticket
 from encdec_engine.server.state import ServerState, SSEResponse, sse, sse_error, state_of, until_disconnect
@@ -29,12 +30,12 @@ from encdec_engine.speech.transcriber import Transcriber
 router = APIRouter()
 
 
-@router.post("/v1/audio/transcriptions")
+@router.post(routes.TRANSCRIPTIONS)
 async def create_transcription(request: Request) -> Response:
     return await _audio_request(request, "transcribe")
 
 
-@router.post("/v1/audio/translations")
+@router.post(routes.TRANSLATIONS)
 async def create_translation(request: Request) -> Response:
     return await _audio_request(request, "translate")
 

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from encdec_engine.server import protocol as P
+from encdec_engine.server import routes
 from encdec_engine.server.errors import APIError, engine_error
 from encdec_engine.server.limits import check_request_tokens
 from encdec_engine.server.state import ServerState, SSEResponse, sse, sse_error, state_of, until_disconnect
@@ -22,10 +23,10 @@ from encdec_engine.outputs import CompletionOutput, RequestOutput
 router = APIRouter()
 
 
-@router.post("/v1/completions", response_model=P.CompletionResponse)
+@router.post(routes.COMPLETIONS, response_model=P.CompletionResponse)
 async def create_completion(body: P.CompletionRequest, request: Request) -> Response:
     st = state_of(request)
-    st.require(audio=False, path="/v1/completions")
+    st.require(audio=False, path=routes.COMPLETIONS)
     st.check_model(body.model)
     try:
         params = body.sampling_params()

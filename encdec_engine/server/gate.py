@@ -12,16 +12,13 @@ import time
 
 from fastapi import HTTPException
 
+from encdec_engine.server import routes
 from encdec_engine.server.errors import APIError
 from encdec_engine.server.limits import ServerLimits
 from encdec_engine.server.origins import refusal
 from encdec_engine.server.state import ServerState
 
 _MB = 1 << 20
-_UPLOAD_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
-_API_PATHS = ("/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models")  # http
-# What the server tells about itself (load, the API's shape): guarded when ServerLimits.protects_info.
-INFO_PATHS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 class _BodyTooLarge(HTTPException):
@@ -46,7 +43,7 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, limits = scope["path"], self.state.limits
-        endpoint = path if path in _API_PATHS else None
+        endpoint = path if path in routes.METERED_PATHS else None
         start, status, done = time.monotonic(), [500], [False]
 
         async def send_timed(message) -> None:
@@ -57,7 +54,7 @@ class Gate:
             await send(message)
 
         received, started, complete = 0, time.monotonic(), [False]
-        reservation = self.state.audio_memory.reserve(_client(scope)) if path in _UPLOAD_PATHS else None
+        reservation = self.state.audio_memory.reserve(_client(scope)) if path in routes.AUDIO_PATHS else None
         if reservation is not None:
             scope.setdefault("state", {})["audio_reservation"] = reservation
 
@@ -133,8 +130,8 @@ def _refused(path: str, headers: dict[bytes, bytes], limits: ServerLimits) -> AP
     error = refusal(headers, limits.allowed_hosts, limits.allowed_origins)
     if error is not None:
         return error
-    guarded = path.startswith("/v1") or (limits.protects_info and path in INFO_PATHS)
-    if limits.protects_info and path in INFO_PATHS and limits.api_key is None:
+    guarded = path.startswith(routes.API_PREFIX) or (limits.protects_info and path in routes.INFO_PATHS)
+    if limits.protects_info and path in routes.INFO_PATHS and limits.api_key is None:
         return APIError(404, f"{path} is not served here (--protect-info without an API key)")
     if limits.api_key is not None and guarded:
         return _check_api_key(headers.get(b"authorization"), limits.api_key)

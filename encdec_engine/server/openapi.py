@@ -17,9 +17,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from encdec_engine.server import protocol as P
+from encdec_engine.server import routes
 
-_AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
-_TEXT_PATHS = ("/v1/completions",)
 _ERRORS = {
     400: "a field has a wrong type or value, the body cannot be parsed, or the engine rejects the prompt",
     401: "the API key is missing or wrong (when the server has one)",
@@ -98,7 +97,7 @@ def install_openapi(app: FastAPI, facts: ModelFacts) -> None:
 def describe(schema: dict[str, Any], facts: ModelFacts) -> dict[str, Any]:
     audio = facts.is_audio
     paths = schema["paths"]
-    for path in _TEXT_PATHS if audio else _AUDIO_PATHS:
+    for path in routes.TEXT_PATHS if audio else routes.AUDIO_PATHS:
         paths.pop(path, None)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(_model_schemas(P.ErrorResponse, P.TranscriptionResponse, P.TranscriptionVerboseResponse))
@@ -109,12 +108,12 @@ def describe(schema: dict[str, Any], facts: ModelFacts) -> dict[str, Any]:
             responses.pop("422", None)  # validation errors are 400s here, in OpenAI's shape
             for status in _POST_ERRORS if method == "post" else _GET_ERRORS:
                 responses.setdefault(str(status), {"description": _ERRORS[status], "content": error})
-    if "/v1/completions" in paths:
-        op = paths["/v1/completions"]["post"]
+    if routes.COMPLETIONS in paths:
+        op = paths[routes.COMPLETIONS]["post"]
         op["responses"]["200"]["content"]["text/event-stream"] = _EVENTS  # `data: {chunk}` events, `data: [DONE]`
         _document_rules(op, "completions")
         _bound_completions(components["CompletionRequest"], facts)
-    for path in _AUDIO_PATHS:
+    for path in routes.AUDIO_PATHS:
         if path in paths:
             _describe_audio(paths[path]["post"], path.endswith("transcriptions"), facts)
             _document_rules(paths[path]["post"], "audio")
@@ -212,10 +211,10 @@ def _describe_health_and_metrics(paths: dict[str, Any]) -> None:
     health = {"type": "object", "required": ["status"],
               "properties": {"status": {"type": "string", "enum": ["ok", "unavailable"]},
                              "reason": {"type": "string"}}}
-    if "/health" in paths:
-        paths["/health"]["get"]["responses"] = {
+    if routes.HEALTH in paths:
+        paths[routes.HEALTH]["get"]["responses"] = {
             "200": {"description": "the engine thread runs", "content": {"application/json": {"schema": health}}},
             "503": {"description": "the engine has stopped", "content": {"application/json": {"schema": health}}}}
-    if "/metrics" in paths:
-        responses = paths["/metrics"]["get"]["responses"]
+    if routes.METRICS in paths:
+        responses = paths[routes.METRICS]["get"]["responses"]
         responses["200"] = {"description": "Prometheus text format", "content": {"text/plain": _TEXT}}

@@ -1,7 +1,7 @@
 """/v1/realtime (websocket): OpenAI's Realtime transcription sessions, as the official `openai` client's
 `realtime.connect(extra_query={"intent": "transcription"})` (and the beta `beta.realtime.connect`) speak
-them. Each connection is one live session (speech/live_session.py) driven through the shared engine
-(speech/live_async.py): its re-decodes are ordinary engine requests, batched with every other session's.
+them. Each connection is one live session (speech/live/session.py) driven through the shared engine
+(speech/live/async_driver.py): its re-decodes are ordinary engine requests, batched with every other session's.
 
     client                                     server
     session.update / transcription_session.update  ->  session.updated / transcription_session.updated
@@ -41,15 +41,16 @@ from collections.abc import Callable
 from fastapi import APIRouter, WebSocket
 
 from encdec_engine.inputs.pcm_stream import AudioChunks, pcm16_samples
+from encdec_engine.server import routes
 from encdec_engine.server.limits import SessionRefused
 from encdec_engine.server.realtime_protocol import (OPENAI_MODELS, ProtocolError, SessionConfig, apply_update,
                                                     error_event, event, parse_event, server_events, session_object)
 from encdec_engine.server.state import ServerState
-from encdec_engine.speech.live_async import LiveStream
-from encdec_engine.speech.live_events import LiveEvent, TranscriptCompleted, TranscriptDelta
-from encdec_engine.speech.live_model import LiveModel
-from encdec_engine.speech.live_options import LiveOptions
-from encdec_engine.speech.live_session import LiveError, LiveSession
+from encdec_engine.speech.live.async_driver import LiveStream
+from encdec_engine.speech.live.events import LiveEvent, TranscriptCompleted, TranscriptDelta
+from encdec_engine.speech.live.model import LiveModel
+from encdec_engine.speech.live.options import LiveOptions
+from encdec_engine.speech.live.session import LiveError, LiveSession
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -63,7 +64,7 @@ CLIENT_EVENTS = ("session.update", "transcription_session.update", "input_audio_
                  "input_audio_buffer.commit", "input_audio_buffer.clear")
 
 
-@router.websocket("/v1/realtime")
+@router.websocket(routes.REALTIME)
 async def realtime(websocket: WebSocket) -> None:
     st: ServerState = websocket.app.state.server
     beta = websocket.headers.get("openai-beta", "").lower().startswith("realtime")
@@ -90,7 +91,7 @@ def _refusal(st: ServerState, websocket: WebSocket) -> tuple[dict, int] | None:
     """Why this connection cannot be a session here (an error event and a close code), or None."""
     query = websocket.query_params
     if not st.is_audio:
-        return error_event(f"/v1/realtime transcribes speech; this server runs the text model {st.model_name!r}",
+        return error_event(f"{routes.REALTIME} transcribes speech; this server runs the text model {st.model_name!r}",
                            None, "model_not_supported"), POLICY_VIOLATION
     if query.get("intent", "transcription") != "transcription":
         return error_event("only transcription sessions are served here: connect with ?intent=transcription",

@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from encdec_engine.server.errors import clip
 from encdec_engine.server.protocol import MAX_AUDIO_PROMPT_CHARS, MAX_LANGUAGE_CHARS, MAX_NAME_CHARS
-from encdec_engine.speech.live_events import (Cleared, Committed, LiveEvent, SpeechStarted, SpeechStopped,
+from encdec_engine.speech.live.events import (Cleared, Committed, LiveEvent, SpeechStarted, SpeechStopped,
                                               TranscriptCompleted, TranscriptDelta, TranscriptFailed)
-from encdec_engine.speech.live_options import TurnDetection
+from encdec_engine.speech.live.options import TurnDetection
 
 RATES = (24000, 16000)  # pcm16 sample rates taken: OpenAI's 24 kHz, and Whisper's own 16 kHz
 # OpenAI's transcription models: a client written for OpenAI names one of them; this server's model answers.

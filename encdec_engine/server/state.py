@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from encdec_engine.engine.async_engine import AsyncLLMEngine
+from encdec_engine.server import routes
 from encdec_engine.server.errors import APIError, engine_error
 from encdec_engine.server.limits import Admission, AudioMemory, RealtimeSessions, Reservation, ServerLimits, Ticket
 from encdec_engine.server.metrics import Metrics
@@ -61,11 +62,11 @@ class ServerState:
     def require(self, audio: bool, path: str) -> None:
         if audio and not self.is_audio:
             raise APIError(404, f"{path} needs a speech model (Whisper); this server runs the text model "
-                                f"{self.model_name!r}: use /v1/completions")
+                                f"{self.model_name!r}: use {routes.COMPLETIONS}")
         if not audio and self.is_audio:
             raise APIError(404, f"{path} needs a text model (BART, T5, a translation model or decoder-only); this "
                                 f"server runs the speech "
-                                f"model {self.model_name!r}: use /v1/audio/transcriptions")
+                                f"model {self.model_name!r}: use {routes.TRANSCRIPTIONS}")
 
 
 def state_of(request: Request) -> ServerState:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from encdec_engine.checkpoints.whisper_tokens import TIME_PRECISION, WhisperTokens
+from encdec_engine.checkpoints.whisper.tokens import TIME_PRECISION, WhisperTokens
 from encdec_engine.inputs.audio import FRAMES_PER_SECOND, INPUT_STRIDE
 from encdec_engine.speech.fallback import WindowQuality, compression_ratio
 from encdec_engine.speech.job import DecodedWindow, TranscriptionJob

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from encdec_engine.checkpoints.whisper_tokens import known_language_code
+from encdec_engine.checkpoints.whisper.tokens import known_language_code
 from encdec_engine.speech.vad_options import VadOptions
 
 # openai-whisper's word timestamps: these marks join the next word (prepend) or the previous one (append).

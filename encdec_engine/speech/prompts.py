@@ -18,7 +18,7 @@ forced to start with, as openai-whisper's `transcribe` and faster-whisper's `get
 
 from __future__ import annotations
 
-from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
+from encdec_engine.checkpoints.whisper.tokens import WhisperTokens
 from encdec_engine.speech.job import TranscriptionJob
 from encdec_engine.speech.options import TranscribeOptions
 

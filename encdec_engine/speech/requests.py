@@ -15,7 +15,7 @@ default) the second and later requests of a window reuse its encoder output.
 
 from __future__ import annotations
 
-from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
+from encdec_engine.checkpoints.whisper.tokens import WhisperTokens
 from encdec_engine.sampling_params import SamplingParams
 from encdec_engine.inputs.audio import INPUT_STRIDE
 from encdec_engine.speech.job import DecodedWindow, TranscriptionJob

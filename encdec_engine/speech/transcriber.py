@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from encdec_engine.checkpoints.whisper_tokens import WhisperTokens, language_code
+from encdec_engine.checkpoints.whisper.tokens import WhisperTokens, language_code
 from encdec_engine.inputs.audio import FRAMES_PER_SECOND, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
 from encdec_engine.inputs.features import log_mel_spectrogram, long_log_mel_spectrogram
 from encdec_engine.outputs import RequestOutput

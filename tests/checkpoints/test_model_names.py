@@ -11,7 +11,7 @@ import pytest
 from helpers import make_whisper
 
 from encdec_engine.engine.loader import resolve_model_path
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.checkpoints.names import (WHISPER_NAMES, available_names, is_english_only, resolve_model_name)
 
 ROOT = Path(__file__).resolve().parents[2]

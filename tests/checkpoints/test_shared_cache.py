@@ -52,7 +52,7 @@ def machine():
     shutil.rmtree(base)
 
 
-IMPORT = "from encdec_engine.checkpoints.ct2_import import default_model_path; print(default_model_path())"
+IMPORT = "from encdec_engine.checkpoints.ct2.importer import default_model_path; print(default_model_path())"
 
 
 def test_one_user_imports_and_another_reads_it_in_place(machine):

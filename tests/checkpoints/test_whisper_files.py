@@ -24,12 +24,12 @@ from transformers.audio_utils import mel_filter_bank as hf_mel_filter_bank
 from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
 
 from encdec_engine.engine.loader import read_model_config
-from encdec_engine.checkpoints import whisper_languages
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.whisper import languages as whisper_languages
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.checkpoints.generation_config import GENERATION_FIELDS, load_generation_config
 from encdec_engine.checkpoints.model_config import WHISPER_ALIASES, WHISPER_DEFAULTS, ModelConfig
 from encdec_engine.checkpoints.tokenizer_files import load_tokenizer
-from encdec_engine.checkpoints.whisper_tokenizer import WhisperTextTokenizer, read_whisper_tokenizer
+from encdec_engine.checkpoints.whisper.tokenizer import WhisperTextTokenizer, read_whisper_tokenizer
 from encdec_engine.inputs.features import mel_filter_bank
 
 TEXTS = ["Hello world.", " Hello world.", "  spaced  out ", "ÀÉÎ ünïcödé — “quotes” 日本語", "don't won't I'm",

@@ -58,7 +58,7 @@ def test_pcm_from_stdin_with_verbose_turn_times():
 def test_client_mode_sends_the_stream_to_a_running_server():
     from servers import KEY, LiveServer
 
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
     from encdec_engine.server.app import ServerLimits, build_app
 
     server = LiveServer(build_app(str(default_model_path()), limits=ServerLimits(api_key=KEY), kv_cache_space_gb=0.25))

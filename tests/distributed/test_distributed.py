@@ -30,7 +30,7 @@ from encdec_engine.distributed.results import read_rows
 from encdec_engine.cli.main import main
 from encdec_engine.server.limits import ServerLimits
 from encdec_engine.speech.writers import write_transcription
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 
 pytestmark = pytest.mark.integration  # a Ray cluster
 

@@ -11,7 +11,7 @@ import torch
 from helpers import hf_causal_greedy, hf_greedy, make_bart_tokenizer, make_causal_lm, tokens
 
 from encdec_engine import SamplingParams
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 
@@ -101,7 +101,7 @@ def whisper_greedy(model, features: torch.Tensor, prompt: list[int], n: int) -> 
 def test_whisper_previous_text_prompts_chunked_match_hf(make_llm):
     from transformers import WhisperForConditionalGeneration
 
-    from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
+    from encdec_engine.checkpoints.whisper.tokens import WhisperTokens
     from encdec_engine.inputs.audio import load_audio
     from encdec_engine.inputs.features import log_mel_spectrogram
     from helpers import AUDIO, SHORT_CLIPS

@@ -64,7 +64,7 @@ def test_caching_under_memory_pressure(bart_path, make_llm):
 def test_whisper_audio_reuse(make_llm):
     from pathlib import Path
 
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     from encdec_engine.inputs.audio import load_audio
 

@@ -10,7 +10,7 @@ from transformers import BartForConditionalGeneration, WhisperForConditionalGene
 from encdec_engine import SamplingParams
 from encdec_engine.inputs.audio import load_audio
 from encdec_engine.inputs.features import log_mel_spectrogram
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 
 AUDIO = Path(__file__).resolve().parents[2] / "prompts" / "audio"
 

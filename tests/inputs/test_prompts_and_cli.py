@@ -57,7 +57,7 @@ def test_prompt_file_sampling_params_errors_name_the_line(tmp_path):
 
 
 def test_summarize_refuses_whisper_with_one_line(make_llm):
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     llm = make_llm(default_model_path(), kv_cache_space_gb=0.1)
     with pytest.raises(ValueError, match="whisper models do not summarize text"):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encdec_engine.worker.cpu_kernels import machine_plan
+from encdec_engine.machine.cpu_kernels import machine_plan
 from encdec_engine.layers.linear import (PackedLinear, PackedWeight, VocabProjection, onednn_packing_available,
                                          pack_linears)
 from encdec_engine.worker.kv_sizing import weight_bytes

@@ -12,7 +12,7 @@ from encdec_engine import SamplingParams
 from encdec_engine.probes import no_speech_position
 from encdec_engine.inputs.audio import load_audio
 from encdec_engine.inputs.features import log_mel_spectrogram
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 
 EXACT = dict(timestamps=False, temperatures=(0.0,))
 
@@ -290,7 +290,7 @@ def hf_no_speech_prob(model, features: torch.Tensor, prompt: list[int], sot_inde
 
 
 def test_no_speech_prob_matches_hf_logits_also_over_cached_prefixes(tiny_en, hf_tiny_en):
-    from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
+    from encdec_engine.checkpoints.whisper.tokens import WhisperTokens
 
     engine = tiny_en.engine
     tokens = WhisperTokens.from_configs(engine.hf_config, engine.generation_config)
@@ -341,7 +341,7 @@ def test_transcripts_report_no_speech_and_skip_silent_windows(tiny_en, hf_tiny_e
 
 
 def test_language_may_be_a_code_token_or_name_in_any_case():
-    from encdec_engine.checkpoints.whisper_tokens import WhisperTokens, language_code
+    from encdec_engine.checkpoints.whisper.tokens import WhisperTokens, language_code
 
     assert [language_code(x) for x in ("EN", "English", "<|fr|>", " de ", "castilian")] == ["en", "en", "fr", "de", "es"]
     english_only = WhisperTokens(sot=1, eot=0, no_timestamps=9, sot_prev=None, is_multilingual=False)

@@ -19,7 +19,7 @@ from encdec_engine.attention.backends.xformers_masks import prefill_attn_bias
 from encdec_engine.quantization.kv_int8 import (KV_QUANT_GROUP, dequantize_kv, quantize_kv, row_width,
                                               tokens_ratio)
 from encdec_engine.attention.metadata import AttentionMetadata
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.models.interface import KVCacheSpec
 from encdec_engine.worker.cache_engine import bytes_per_block
 from encdec_engine.worker.input_prep import pad_rows

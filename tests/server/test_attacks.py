@@ -12,8 +12,8 @@ import pytest
 from servers import AUDIO, LiveServer
 
 from encdec_engine.server.app import ServerLimits, build_app
-from encdec_engine.checkpoints.bundled import bundled_model_dir
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.inputs import ffmpeg
 from encdec_engine.inputs.audio import AudioError, load_audio
 
@@ -382,7 +382,7 @@ def test_a_ctranslate2_folder_is_imported_once_into_the_cache_never_written_into
     every start, while other workers read them)."""
     import shutil
 
-    from encdec_engine.checkpoints import ct2_import
+    from encdec_engine.checkpoints.ct2 import importer as ct2_import
 
     src = tmp_path / "faster-whisper-tiny.en"
     shutil.copytree(bundled_model_dir(), src)

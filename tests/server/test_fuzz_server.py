@@ -26,7 +26,7 @@ from servers import AUTH, KEY, LiveServer
 
 from encdec_engine.server.app import ServerLimits, build_app
 from encdec_engine.server.openapi import SEMANTIC_RULES
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 
 pytestmark = pytest.mark.integration  # fuzzing (schemathesis)
 

@@ -17,7 +17,7 @@ import pytest
 import websockets.sync.client
 from servers import AUDIO, LiveServer
 
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.cli.main import build_parser, main
 from encdec_engine.cli.serve import server_limits
 from encdec_engine.server.app import ServerLimits, build_app

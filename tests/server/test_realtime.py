@@ -16,7 +16,7 @@ import pytest
 import websockets.sync.client
 from servers import AUDIO, AUTH, KEY, LiveServer, until
 
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.inputs.audio import load_audio, resample
 from encdec_engine.inputs.pcm_stream import AudioChunks
 from encdec_engine.server.app import ServerLimits, build_app

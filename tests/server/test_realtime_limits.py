@@ -21,7 +21,7 @@ from websockets.frames import Opcode
 from websockets.protocol import State
 from websockets.uri import parse_uri
 
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.inputs.audio import load_audio, resample
 from encdec_engine.server.app import ServerLimits, build_app
 

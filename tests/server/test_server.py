@@ -25,7 +25,7 @@ from encdec_engine.engine.llm_engine import LLMEngine
 from encdec_engine.cli.main import build_parser
 from encdec_engine.server.app import ServerLimits, build_app
 from encdec_engine.speech.writers import render
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.speech.offline import transcribe_offline
 from encdec_engine.speech.options import TranscribeOptions
 

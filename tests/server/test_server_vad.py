@@ -15,7 +15,7 @@ from servers import LiveServer
 from vad_audio import recording, silence, white_noise
 
 from encdec_engine.server.app import ServerLimits, build_app
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.inputs.audio import SAMPLE_RATE
 from encdec_engine.speech.offline import transcribe_offline
 from encdec_engine.speech.options import TranscribeOptions

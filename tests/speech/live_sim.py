@@ -9,9 +9,9 @@ import itertools
 
 import numpy as np
 
-from encdec_engine.speech.live_model import LiveModel
-from encdec_engine.speech.live_options import LiveOptions
-from encdec_engine.speech.live_session import LiveSession
+from encdec_engine.speech.live.model import LiveModel
+from encdec_engine.speech.live.options import LiveOptions
+from encdec_engine.speech.live.session import LiveSession
 
 CHUNK = 1600  # 100 ms at 16 kHz
 _ids = itertools.count()

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.speech import offline
 from encdec_engine.inputs.audio import load_audio
 from encdec_engine.speech.inputs import InputQueue, probe_seconds

@@ -5,15 +5,15 @@ stale results, the options' validation. The tokens are tiny.en's; the model's en
 import numpy as np
 import pytest
 
-from encdec_engine.speech.live_agreement import Word, agreed_words, align, word_spans
-from encdec_engine.speech.live_model import LiveModel
-from encdec_engine.speech.live_options import LiveOptions, TurnDetection
-from encdec_engine.speech.live_turn import Kind, LiveTurn
+from encdec_engine.speech.live.agreement import Word, agreed_words, align, word_spans
+from encdec_engine.speech.live.model import LiveModel
+from encdec_engine.speech.live.options import LiveOptions, TurnDetection
+from encdec_engine.speech.live.turn import Kind, LiveTurn
 
 
 @pytest.fixture(scope="module")
 def model(make_llm):
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     return LiveModel(make_llm(default_model_path()).engine)
 
@@ -142,7 +142,7 @@ def test_options_are_validated_on_construction():
 def test_a_multilingual_checkpoint_without_a_language_detects_it_once_per_turn(tmp_path, make_llm):
     from helpers import make_whisper
 
-    from encdec_engine.speech.live_session import LiveSession
+    from encdec_engine.speech.live.session import LiveSession
 
     engine = make_llm(make_whisper(tmp_path / "w", "tiny-80", multilingual=True, seed=3)).engine
     live = LiveModel(engine)
@@ -173,8 +173,8 @@ def test_voice_detection_turned_on_mid_turn_stops_no_turn_it_did_not_start(model
     from pathlib import Path
 
     from encdec_engine.inputs.audio import load_audio
-    from encdec_engine.speech.live_events import Committed, SpeechStarted, SpeechStopped
-    from encdec_engine.speech.live_session import LiveSession
+    from encdec_engine.speech.live.events import Committed, SpeechStarted, SpeechStopped
+    from encdec_engine.speech.live.session import LiveSession
 
     speech = load_audio(Path(__file__).resolve().parents[2] / "prompts" / "audio" / "fox.wav")
     session = LiveSession(model, LiveOptions(turn_detection=None))

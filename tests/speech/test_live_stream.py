@@ -11,12 +11,12 @@ from live_sim import simulate
 from recordings import words
 
 from encdec_engine.inputs.audio import load_audio
-from encdec_engine.speech.live_events import (Committed, SpeechStarted, SpeechStopped, TranscriptCompleted,
+from encdec_engine.speech.live.events import (Committed, SpeechStarted, SpeechStopped, TranscriptCompleted,
                                               TranscriptDelta)
-from encdec_engine.speech.live_model import LiveModel
-from encdec_engine.speech.live_options import LiveOptions
-from encdec_engine.speech.live_session import LiveError, LiveSession
-from encdec_engine.speech.live_vad import SileroStream, silero_network
+from encdec_engine.speech.live.model import LiveModel
+from encdec_engine.speech.live.options import LiveOptions
+from encdec_engine.speech.live.session import LiveError, LiveSession
+from encdec_engine.speech.live.vad import SileroStream, silero_network
 
 AUDIO_CLIPS = ("weather.wav", "fox.wav", "coffee.wav", "learning.wav", "stella.wav", "thanks_fast.wav")
 # Measured over the six clips, one turn each, streamed at three chunk phases (18 turns, 186 words; tiny.en):
@@ -31,7 +31,7 @@ MAX_DELTA_WER = 0.08
 
 @pytest.fixture(scope="module")
 def tiny_en(make_llm):
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     return make_llm(default_model_path())
 

@@ -22,7 +22,7 @@ REFERENCE = json.loads((Path(__file__).resolve().parents[1] / "data" / "openai_w
 
 @pytest.fixture(scope="module")
 def tiny_en(make_llm):
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     return make_llm(default_model_path())
 

@@ -107,7 +107,7 @@ def previous_text(llm, options: TranscribeOptions, job: TranscriptionJob) -> lis
 
 
 def _tokens(llm):
-    from encdec_engine.checkpoints.whisper_tokens import WhisperTokens
+    from encdec_engine.checkpoints.whisper.tokens import WhisperTokens
 
     return WhisperTokens.from_configs(llm.engine.hf_config, llm.engine.generation_config)
 
@@ -171,7 +171,7 @@ def test_the_progress_bar_ends_exactly_at_its_total_and_shows_the_vad_phase(tmp_
     the bar names the phase that finds the speech."""
     import subprocess
 
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     m4a = tmp_path / "weather.m4a"
     subprocess.run(["ffmpeg", "-v", "error", "-i", str(AUDIO / "weather.wav"), str(m4a)], check=True)

@@ -13,8 +13,8 @@ import torch
 from encdec_engine import SamplingParams
 from encdec_engine.inputs.audio import load_audio
 from encdec_engine.inputs.features import log_mel_spectrogram
-from encdec_engine.checkpoints.bundled import bundled_model_dir
-from encdec_engine.checkpoints.ct2_import import default_model_path
+from encdec_engine.checkpoints.ct2.bundled import bundled_model_dir
+from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.speech.word_timestamps import (WordTiming, alignment_heads, alignment_path, dtw, median_filter,
                                            merge_punctuations, split_to_word_tokens)
 

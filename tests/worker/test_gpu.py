@@ -1,7 +1,7 @@
 """On a CUDA device: parity with HF, and the xformers backend (flash prefill, compiled Triton
 kernels) against the torch backend on the same inputs. Skipped cleanly without CUDA.
 
-Deselected by the default `-m 'not slow and not gpu'`; run with `pytest -m gpu tests/test_gpu.py`.
+Deselected by the default `-m 'not slow and not gpu'`; run with `pytest -m gpu tests/worker/test_gpu.py`.
 """
 
 import logging
@@ -101,7 +101,7 @@ def whisper_clips():
 def hf_tiny_en_cuda():
     from transformers import WhisperForConditionalGeneration
 
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     return WhisperForConditionalGeneration.from_pretrained(default_model_path()).to(CUDA).eval()
 
@@ -113,7 +113,7 @@ def hf_whisper_tokens(model, features) -> list[list[int]]:
 
 
 def test_whisper_tiny_en_matches_hf_on_cuda_fp32(make_llm, whisper_clips, hf_tiny_en_cuda):
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     llm = make_llm(default_model_path(), device="cuda", dtype="float32", gpu_memory_utilization=0.4)
     files, features = whisper_clips
@@ -126,7 +126,7 @@ def test_whisper_tiny_en_matches_hf_on_cuda_fp32(make_llm, whisper_clips, hf_tin
 
 
 def test_whisper_tiny_en_bf16_first_token_agrees(make_llm, whisper_clips, hf_tiny_en_cuda):
-    from encdec_engine.checkpoints.ct2_import import default_model_path
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
 
     llm = make_llm(default_model_path(), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.4)
     files, features = whisper_clips

@@ -2,7 +2,7 @@
 
 Same contract as `attention.backends.base.store_kv` (slot = block * block_size +
 offset, values cast to the cache dtype, or quantized into an int8 cache's rows with
-their per-group scales as `attention.kv_quant.quantize_kv` does, bit for bit), plus:
+their per-group scales as `quantization.kv_int8.quantize_kv` does, bit for bit), plus:
 a negative slot skips its token, so padded batches (CUDA graphs) can carry dummy
 tokens at slot -1.
 

@@ -2,7 +2,7 @@
 
     query        [num_seqs, num_heads, head_dim]
     kv_cache     [2, num_blocks, block_size, num_kv_heads, row_width]   (row_width = head_dim,
-                                          or an int8 row: values + per-group scales, kv_quant.py)
+                                          or an int8 row: values + per-group scales, quantization/kv_int8.py)
     block_tables [num_seqs, max_blocks]   key position p of seq s lives in block
                                           block_tables[s, p // block_size], offset p % block_size
     key_lens     [num_seqs]               keys each sequence attends to (no mask needed)

@@ -2,7 +2,7 @@
 
 The same table as openai-whisper's and transformers' (codes as transformers spells them: Hebrew is
 "he", though the vocabulary's token is `<|iw|>`), kept here so that reading a checkpoint needs no
-transformers import. `tests/test_whisper_files.py` checks it against transformers'.
+transformers import. `tests/checkpoints/test_whisper_files.py` checks it against transformers'.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 transformers spends about a second importing itself before it reads a file, so a one-file
 transcription served by transformers' `WhisperTokenizer` pays that on every start. This class
 reads the same `tokenizer.json` into a `tokenizers.Tokenizer` and gives the engine what it calls
-of transformers' tokenizer, with the same results (tests/test_whisper_files.py checks encode,
+of transformers' tokenizer, with the same results (tests/checkpoints/test_whisper_files.py checks encode,
 decode, special ids and added tokens against transformers on the layouts it reads):
 
 - transformers rebuilds the backend from the file's vocabulary and merges with Whisper's fixed
