@@ -28,7 +28,7 @@ from encdec_engine.worker.cuda_graphs import graph_batch_sizes
 from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool, weight_bytes
 from encdec_engine.worker.model_runner import ModelRunner
 from encdec_engine.machine.host_memory import keep_freed_memory
-from encdec_engine.machine.threads import configure_threads
+from encdec_engine.machine.threads import CoreShare, configure_threads, fits_threads
 
 logger = logging.getLogger(__name__)
 _GiB = 1 << 30
@@ -48,8 +48,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.threads = configure_threads(config.threads)  # before any heavy work: loading packs weights too
+        self.core_share: CoreShare | None = None  # the default count fitted to the cores others leave free
         if config.torch_device.type == "cpu":
             keep_freed_memory()  # big step tensors reuse freed memory instead of faulting in fresh pages
+            if fits_threads(config.threads):
+                self.core_share = CoreShare.here(self.threads)
         loaded: LoadedModel = load_model(config)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.generation_config = loaded.generation_config
@@ -240,6 +243,8 @@ class LLMEngine:
         later request. Such an interrupt fails the step's requests too (their KV is incomplete) and
         propagates; their outputs come with the next step."""
         outputs, self._undelivered = self._undelivered, []
+        if self.core_share is not None:
+            self.core_share.update()
         # Hashes still pending belong to a step that never reached commit or rollback: never keep them.
         self.block_manager.rollback_step()
         try:

@@ -1,15 +1,23 @@
-"""torch's CPU thread pools, set once per process before the model loads (openai-whisper's --threads,
-faster-whisper's cpu_threads).
+"""torch's CPU thread pools: set once per process before the model loads (openai-whisper's --threads,
+faster-whisper's cpu_threads), and by default fitted while the engine runs to the cores other
+processes leave free (`CoreShare`).
 
 torch's intra-op default follows OpenMP's, its inter-op pool counts every core of the machine even
-under taskset. Neither knows what else runs: on a CPU shared with other work, fewer threads than
-cores can be several times faster, since every matmul waits for its slowest thread. Hence a knob.
+under taskset. Neither knows what else runs. On cores shared with another process, a thread of
+every parallel region (each matmul, each attention read) waits for its sibling that the other
+process holds off the core, and libgomp's waiting threads spin before they sleep, burning the core
+the other process needed: two `encdec transcribe` jobs at once on a 2-core Xeon took 7x their time
+alone, each spending 25 s of CPU on a job that needs 5 s alone. With a thread fewer than the cores
+other work leaves, nothing waits on a sibling and nothing spins.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,3 +57,101 @@ def configure_threads(threads: int | None) -> int:
     logger.info("CPU threads: %d (%s); torch intra-op %d, inter-op %d", threads, source, torch.get_num_threads(),
                 torch.get_num_interop_threads())
     return threads
+
+
+def fits_threads(threads: int | None) -> bool:
+    """Whether the engine fits its thread count to the free cores (`CoreShare`): for the default count only,
+    unless $ENCDEC_FIT_THREADS=0."""
+    return (threads is None and default_threads()[1] != "$OMP_NUM_THREADS"
+            and os.environ.get("ENCDEC_FIT_THREADS", "1") != "0")
+
+
+class CoreShare:
+    """Keeps torch's intra-op threads within the cores that other processes leave free: every `window`
+    seconds of engine steps (`update`, called before each step) it compares the busy time of this
+    process's cores (/proc/stat) with this process's own CPU time; what the others used, in cores,
+    comes off the `threads` the engine was given (at least 1 stays), and goes back when they stop.
+
+    Linux only (`CoreShare.here()` is None elsewhere). Only the default thread count is fitted: a count
+    asked for (`threads=N`, $OMP_NUM_THREADS) is the user's to keep."""
+
+    window = 0.25  # seconds between measurements (/proc/stat counts in 10 ms ticks)
+    threshold = 0.4  # cores the others must use for a thread to make way (a little background is noise)
+
+    def __init__(self, threads: int, busy: Callable[[], float], own: Callable[[], float] = time.process_time,
+                 clock: Callable[[], float] = time.monotonic, set_threads: Callable[[int], None] = torch.set_num_threads,
+                 ) -> None:
+        self.threads, self.current = threads, threads
+        self._busy, self._own, self._clock, self._set = busy, own, clock, set_threads
+        self._last = (clock(), busy(), own())
+        self.others = 0.0  # cores the other processes used in the last window
+
+    @classmethod
+    def here(cls, threads: int) -> CoreShare | None:
+        """The share of this process's cores, measured once before the model loads where another process
+        is running now (loading packs weights and runs a forward: contended, it took 4 s instead of 0.3)."""
+        cores = _affinity()
+        if cores is None or not os.path.exists("/proc/stat") or threads < 2:
+            return None
+        share = cls(threads, lambda: _busy_seconds(cores))
+        if _others_running():
+            time.sleep(cls.first_window)
+            share.update(force=True)
+        return share
+
+    first_window = 0.1  # seconds: the first look, before the load (idle: nothing of this process runs)
+
+    def update(self, force: bool = False) -> int:
+        """The thread count for the next step (changed in torch when it changes)."""
+        now = self._clock()
+        start, busy0, own0 = self._last
+        if now - start < (0 if force else self.window):
+            return self.current
+        busy, own = self._busy(), self._own()
+        self._last = (now, busy, own)
+        self.others = max(0.0, (busy - busy0) - (own - own0)) / (now - start)
+        want = self.threads if self.others < self.threshold else max(1, self.threads - math.ceil(self.others - 0.25))
+        if want != self.current:
+            logger.info("CPU threads %d -> %d: other processes use %.1f of this process's cores",
+                        self.current, want, self.others)
+            self._set(want)
+            self.current = want
+        return self.current
+
+
+def _others_running(looks: int = 5, apart: float = 0.001) -> bool:
+    """Whether another thread keeps running somewhere on the machine: /proc/loadavg counts more than this
+    one running or ready to run at most of a few instants (a busy process shows at nearly all of them; a
+    kernel thread waking, at about one read in a hundred)."""
+    seen = 0
+    for _ in range(looks):
+        try:
+            with open("/proc/loadavg") as f:
+                seen += int(f.read().split()[3].partition("/")[0]) > 1
+        except (OSError, ValueError, IndexError):
+            return False
+        time.sleep(apart)
+    return seen > looks // 2
+
+
+def _affinity() -> list[int] | None:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+
+
+_TICK = 1 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
+def _busy_seconds(cores: Sequence[int]) -> float:
+    """Seconds the given cores have spent busy since boot, whoever ran (user, nice, system, irq, softirq,
+    steal: a hypervisor's steal is a core this process did not get)."""
+    wanted, busy = {f"cpu{c}" for c in cores}, 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, _, rest = line.partition(" ")
+            if name in wanted:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, rest.split()[:8])
+                busy += user + nice + system + irq + softirq + steal
+    return busy * _TICK

@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import make_whisper
@@ -70,3 +71,78 @@ def test_server_logs_model_device_dtype_threads_and_kv_pool(tmp_path, monkeypatc
     assert f"serving 'whisper': model {path} (WhisperForConditionalGeneration) on cpu, float32, 1 CPU threads, " \
            "KV pool of" in caplog.text
     assert "CPU threads: 1 (asked for)" in caplog.text and "KV pool:" in caplog.text
+
+
+class Machine:
+    """A fake of what CoreShare reads: the clock, the busy seconds of this process's cores, its own CPU time."""
+
+    def __init__(self) -> None:
+        self.now = self.busy = self.own = 0.0
+        self.set_to: list[int] = []
+
+    def run(self, seconds: float, own_cores: float, other_cores: float) -> None:
+        self.now += seconds
+        self.own += seconds * own_cores
+        self.busy += seconds * (own_cores + other_cores)
+
+    def share(self, threads: int = 2):
+        from encdec_engine.machine.threads import CoreShare
+
+        return CoreShare(threads, busy=lambda: self.busy, own=lambda: self.own, clock=lambda: self.now,
+                         set_threads=self.set_to.append)
+
+
+def test_the_thread_count_makes_way_for_other_processes_and_comes_back():
+    """Two jobs at once on 2 cores each took 7x their time alone (every parallel region's thread waited,
+    spinning, for its sibling the other job held off the core); fitted, each keeps one core."""
+    machine = Machine()
+    share = machine.share(threads=2)
+    machine.run(0.1, own_cores=2.0, other_cores=0.0)
+    assert share.update() == 2 and machine.set_to == []  # within the window: not measured yet
+    machine.run(0.3, own_cores=2.0, other_cores=0.05)  # background noise stays
+    assert share.update() == 2 and machine.set_to == []
+    machine.run(0.5, own_cores=1.0, other_cores=1.0)  # another job takes a core
+    assert share.update() == 1 and machine.set_to == [1]
+    machine.run(0.5, own_cores=1.0, other_cores=1.0)  # it keeps it: no change, no call
+    assert share.update() == 1 and machine.set_to == [1]
+    machine.run(0.5, own_cores=1.0, other_cores=0.0)  # it is gone
+    assert share.update() == 2 and machine.set_to == [1, 2]
+
+
+def test_at_least_one_thread_stays_and_what_others_use_is_rounded_to_cores():
+    machine = Machine()
+    share = machine.share(threads=4)
+    machine.run(0.5, own_cores=1.0, other_cores=3.0)
+    assert share.update() == 1
+    machine.run(0.5, own_cores=2.0, other_cores=1.7)
+    assert share.update() == 2 and share.others == pytest.approx(1.7)
+    machine.run(0.5, own_cores=1.0, other_cores=9.0)  # more than the cores there are: still one
+    assert share.update() == 1
+
+
+def test_only_the_default_count_is_fitted(monkeypatch):
+    from encdec_engine.machine.threads import fits_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("ENCDEC_FIT_THREADS", raising=False)
+    assert fits_threads(None) and not fits_threads(2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert not fits_threads(None)  # a count the user asked for, through the environment
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("ENCDEC_FIT_THREADS", "0")
+    assert not fits_threads(None)
+
+
+def test_the_busy_time_of_this_process_cores_is_read_from_proc_stat():
+    from encdec_engine.machine.threads import CoreShare, _busy_seconds
+
+    if not os.path.exists("/proc/stat") or not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no /proc/stat here")
+    cores = sorted(os.sched_getaffinity(0))
+    before = _busy_seconds(cores)
+    end = time.process_time() + 0.3
+    while time.process_time() < end:  # keep one core busy
+        pass
+    assert _busy_seconds(cores) - before >= 0.2
+    share = CoreShare.here(2)
+    assert share is None or share.threads == 2
