@@ -17,7 +17,7 @@ from encdec_engine.server.app import uvicorn_server
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-__all__ = ["AUDIO", "AUTH", "KEY", "LiveServer", "until"]
+__all__ = ["AUDIO", "AUTH", "KEY", "LiveServer", "default_model_server", "until"]
 
 
 class LiveServer:
@@ -73,3 +73,14 @@ def until(condition, what: str, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def default_model_server(limits=None, kv_cache_space_gb: float = 0.25):
+    """The body of a module fixture: the bundled tiny.en served behind `limits` (ServerLimits), stopped after."""
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
+    from encdec_engine.server.app import ServerLimits, build_app
+
+    live = LiveServer(build_app(str(default_model_path()), limits=limits or ServerLimits(),
+                                kv_cache_space_gb=kv_cache_space_gb))
+    yield live
+    live.stop()

@@ -15,12 +15,12 @@ import httpx
 import openai
 import pytest
 import websockets.sync.client
-from servers import AUDIO, LiveServer
+from servers import AUDIO, LiveServer, default_model_server
 
 from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.cli.main import build_parser, main
 from encdec_engine.cli.serve import server_limits
-from encdec_engine.server.app import ServerLimits, build_app
+from encdec_engine.server.app import ServerLimits
 
 EVIL = "https://evil.example"
 
@@ -33,9 +33,7 @@ def serve_flags(*flags: str) -> ServerLimits:
 
 @pytest.fixture(scope="module")
 def server():
-    live = LiveServer(build_app(str(default_model_path()), limits=ServerLimits(), kv_cache_space_gb=0.25))
-    yield live
-    live.stop()
+    yield from default_model_server()
 
 
 @pytest.fixture(autouse=True)

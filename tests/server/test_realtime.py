@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 import websockets.sync.client
-from servers import AUDIO, AUTH, KEY, LiveServer, until
+from servers import AUDIO, AUTH, KEY, LiveServer, default_model_server, until
 
 from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.inputs.audio import load_audio, resample
@@ -31,9 +31,7 @@ VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silenc
 def server():
     limits = ServerLimits(api_key=KEY, max_realtime_sessions=2, max_realtime_sessions_per_client=2,
                           max_realtime_buffer_seconds=30)
-    live = LiveServer(build_app(str(default_model_path()), limits=limits, kv_cache_space_gb=0.25))
-    yield live
-    live.stop()
+    yield from default_model_server(limits)
 
 
 @pytest.fixture(autouse=True)

@@ -15,15 +15,14 @@ import time
 import numpy as np
 import pytest
 import websockets.sync.client
-from servers import AUDIO, AUTH, KEY, LiveServer, until
+from servers import AUDIO, AUTH, KEY, LiveServer, default_model_server, until
 from websockets.client import ClientProtocol
 from websockets.frames import Opcode
 from websockets.protocol import State
 from websockets.uri import parse_uri
 
-from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.inputs.audio import load_audio, resample
-from encdec_engine.server.app import ServerLimits, build_app
+from encdec_engine.server.app import ServerLimits
 
 IDLE_S = 3.0  # the test server's idle timeout
 
@@ -32,9 +31,7 @@ IDLE_S = 3.0  # the test server's idle timeout
 def server():
     limits = ServerLimits(api_key=KEY, max_realtime_sessions=3, max_realtime_sessions_per_client=2,
                           max_realtime_buffer_seconds=30, realtime_idle_timeout_s=IDLE_S)
-    live = LiveServer(build_app(str(default_model_path()), limits=limits, kv_cache_space_gb=0.25))
-    yield live
-    live.stop()
+    yield from default_model_server(limits)
 
 
 @pytest.fixture(autouse=True)

@@ -11,11 +11,10 @@ import numpy as np
 import openai
 import pytest
 import soundfile
-from servers import LiveServer
+from servers import LiveServer, default_model_server
 from vad_audio import recording, silence, white_noise
 
-from encdec_engine.server.app import ServerLimits, build_app
-from encdec_engine.checkpoints.ct2.importer import default_model_path
+from encdec_engine.server.app import ServerLimits
 from encdec_engine.inputs.audio import SAMPLE_RATE
 from encdec_engine.speech.offline import transcribe_offline
 from encdec_engine.speech.options import TranscribeOptions
@@ -25,10 +24,7 @@ SERVER_VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 200, 
 
 @pytest.fixture(scope="module")
 def server():
-    live = LiveServer(build_app(str(default_model_path()), limits=ServerLimits(max_upload_mb=2.0),
-                                kv_cache_space_gb=0.25))
-    yield live
-    live.stop()
+    yield from default_model_server(ServerLimits(max_upload_mb=2.0))
 
 
 @pytest.fixture(autouse=True)
