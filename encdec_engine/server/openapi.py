@@ -46,6 +46,7 @@ SEMANTIC_RULES = {
         "max_tokens N plus the N-token decoder prompt is more than the model's limit",
         "SamplingParams.min_tokens must be <= max_tokens",
         "best_of must be",
+        "best_of must equal n when streaming",
         "stream_options needs stream=true",
         "this request may generate",
         "prompt N: ", "encoder prompt: ", "decoder prompt: ",  # the prompt as the engine reads it
