@@ -5,6 +5,7 @@ import ctypes
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -215,36 +216,50 @@ def planted_library(tmp_path):
 @needs_kernel
 @pytest.mark.parametrize("plant,reason", [
     ("in a folder of another user", f"belongs to uid {OTHER_UID}, not to this user"),
-    ("in a folder others can write", "can be written by other users (mode 0777)"),
+    ("in this user's folder others could write", "could be written by other users (mode 0777)"),
     ("as another user's library", f"belongs to uid {OTHER_UID}, not to this user"),
-    ("as a library others can write", "can be written by other users (mode 0666)"),
+    ("as this user's library others can write", "can be written by other users (mode 0666)"),
+    ("as a symlink", "Too many levels of symbolic links"),
 ])
 def test_a_library_planted_in_the_cache_never_runs(plant, reason, tmp_path, monkeypatch, caplog):
     """A shared cache folder let another user put a library at the kernel's name (the same for every
-    user): it was loaded, its constructor ran before the numeric check, and the check only warned."""
+    user): it was loaded, its constructor ran before the numeric check, and the check only warned. Now
+    nothing that another user could have written is loaded: another user's folder is refused; in this
+    user's folder the library is removed and the kernel built anew."""
     if "another user" in plant and os.geteuid() != 0:
         pytest.skip("needs root to give files to another uid")
     cache, marker = tmp_path / "cache", tmp_path / "marker"
     kernels = cache / "kernels"
     kernels.mkdir(parents=True, mode=0o700)
     target = kernels / KERNEL.path.name
-    shutil.copy(planted_library(tmp_path), target)
+    planted = planted_library(tmp_path)
+    if plant == "as a symlink":
+        target.symlink_to(planted)
+    else:
+        shutil.copy(planted, target)
     if plant == "in a folder of another user":
         os.chown(kernels, OTHER_UID, OTHER_UID)
         os.chown(target, OTHER_UID, OTHER_UID)
-    elif plant == "in a folder others can write":
+    elif plant == "in this user's folder others could write":
         kernels.chmod(0o777)
+        os.chown(target, OTHER_UID, OTHER_UID)
     elif plant == "as another user's library":
         os.chown(target, OTHER_UID, OTHER_UID)
-    else:
+    elif plant == "as this user's library others can write":
         target.chmod(0o666)
     monkeypatch.setenv("ENCDEC_CACHE", str(cache))
     monkeypatch.setenv("PLANTED_MARKER", str(marker))
+    caplog.set_level(logging.INFO, logger=cpu_decode.__name__)
     cpu_decode.load.cache_clear()
     try:
-        assert cpu_decode.load() is None
+        kernel = cpu_decode.load()
         assert not marker.exists()
-        assert reason in caplog.text and "decode reads use head-major copies" in caplog.text
+        assert reason in caplog.text
+        if plant == "in a folder of another user":
+            assert kernel is None and "decode reads use head-major copies" in caplog.text
+        else:  # this user's folder: the planted file removed, the kernel built anew and loaded
+            assert kernel is not None and "built the fused CPU decode attention kernel" in caplog.text
+            assert stat.S_IMODE(kernels.stat().st_mode) & 0o022 == 0 and target.stat().st_uid == os.geteuid()
     finally:
         cpu_decode.load.cache_clear()
 

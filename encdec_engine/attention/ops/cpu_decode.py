@@ -15,8 +15,9 @@ Zen 4/5, AVX2 on a Zen 3), linked to the OpenMP runtime torch loaded so that bot
 pool, checked once against torch on a small case, and kept under the model cache (`kernels/`, one
 library per source, flags, compiler and CPU). Loading a library runs its code, so only one this user
 could have built is loaded: the kernel folder must belong to this user (or root) and be writable by no
-one else, and so must the library; both are checked on open file descriptors (no symlink followed) and
-the library is loaded through its descriptor, so what was checked is what runs. Where it cannot be had
+one else (this user's own loses group and other write bits), and so must the library (one that is not
+is removed and built anew); both are checked on open file descriptors (no symlink followed) and the
+library is loaded through its descriptor, so what was checked is what runs. Where it cannot be had
 (no C compiler, torch without its own libgomp, a folder or library others could have written, a library
 without the kernel's functions, a failed check) or `ENCDEC_FUSED_DECODE=0`, the log says why once and
 the backend reads through its copies (`attention/backends/cpu_copies.py`).
@@ -25,6 +26,7 @@ the backend reads through its copies (`attention/backends/cpu_copies.py`).
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import logging
@@ -158,13 +160,24 @@ class Unavailable(Exception):
     """Why the kernel cannot be had here (logged once; decode reads then use the copies)."""
 
 
+class Untrusted(Unavailable):
+    """A folder or library that someone other than this user (or root) could have written."""
+
+
 def _library(compiler: str, openmp: Path, folder: Path, name: str) -> ctypes.CDLL:
-    """The library `name` in the private `folder`, built first if it is not there."""
+    """The library `name` in the private `folder`, built first if it is not there. One there that is not
+    this user's alone (it got there while the folder was open to others) is removed, never loaded, and
+    built anew."""
     folder_fd = _open_private(folder)
     try:
-        if not _exists(folder_fd, name):
-            _build(compiler, openmp, folder, name)
-            logger.info("built the fused CPU decode attention kernel: %s", folder / name)
+        if _exists(folder_fd, name):
+            try:
+                return _open_library(folder_fd, folder, name)
+            except Untrusted as e:
+                logger.warning("%s; removing it and building the kernel anew", e)
+                os.unlink(name, dir_fd=folder_fd)
+        _build(compiler, openmp, folder, name)
+        logger.info("built the fused CPU decode attention kernel: %s", folder / name)
         return _open_library(folder_fd, folder, name)
     finally:
         os.close(folder_fd)
@@ -187,15 +200,25 @@ def _build(compiler: str, openmp: Path, folder: Path, name: str) -> None:
 
 
 def _open_private(folder: Path) -> int:
-    """A descriptor of `folder` (made 0700 if new), which must be this user's alone."""
+    """A descriptor of `folder` (made 0700 if new), which must be this user's. One of this user's that others
+    could write (an umask of 002 made it 0775) loses those bits: a library in it is checked on its own."""
+    flags = os.O_DIRECTORY | os.O_NOFOLLOW
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         folder.mkdir(mode=0o700, exist_ok=True)
         # O_PATH: another user's 0700 folder still opens, to be refused by its owner below
-        fd = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(folder, os.O_PATH | flags)
     except OSError as e:  # a symlink in its place: ELOOP or ENOTDIR
         raise Unavailable(f"the kernel folder {folder} cannot be made or opened: {e}") from None
     try:
+        info = os.fstat(fd)
+        if info.st_uid == os.geteuid() and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            own = os.open(folder, os.O_RDONLY | flags)
+            if os.path.samestat(os.fstat(own), info):
+                os.fchmod(own, stat.S_IMODE(info.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+                logger.info("%s could be written by other users (mode %04o): made it this user's alone", folder,
+                            stat.S_IMODE(info.st_mode))
+            os.close(own)
         _check_owner(fd, folder, "folder", " (give ENCDEC_CACHE a folder of your own)")
     except BaseException:
         os.close(fd)
@@ -211,7 +234,8 @@ def _open_library(folder_fd: int, folder: Path, name: str) -> ctypes.CDLL:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder_fd)
     except OSError as e:
-        raise Unavailable(f"opening {folder / name} failed: {e}") from None
+        kind = Untrusted if e.errno == errno.ELOOP else Unavailable  # a symlink put in its place
+        raise kind(f"opening {folder / name} failed: {e}") from None
     try:
         _check_owner(fd, folder / name, "regular file", "")
         return ctypes.CDLL(f"/proc/self/fd/{fd}")
@@ -229,11 +253,11 @@ def _check_owner(fd: int, path: Path, kind: str, advice: str) -> None:
     if not is_kind:
         raise Unavailable(f"{path} is not a {kind}")
     if info.st_uid not in (me, 0):
-        raise Unavailable(f"{path} belongs to uid {info.st_uid}, not to this user (uid {me}): not loading from it"
-                          + advice)
+        raise Untrusted(f"{path} belongs to uid {info.st_uid}, not to this user (uid {me}): not loading from it"
+                        + advice)
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise Unavailable(f"{path} can be written by other users (mode {stat.S_IMODE(info.st_mode):04o}): not "
-                          f"loading from it" + advice)
+        raise Untrusted(f"{path} can be written by other users (mode {stat.S_IMODE(info.st_mode):04o}): not "
+                        f"loading from it" + advice)
 
 
 def _exists(folder_fd: int, name: str) -> bool:
