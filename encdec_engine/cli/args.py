@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
-from encdec_engine.checkpoints.names import resolve
+from encdec_engine.checkpoints.names import first_import, resolve
 
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 
@@ -233,7 +233,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def resolve_model(args: argparse.Namespace) -> str:
     """The checkpoint folder `--model` names (a folder, a short name or a hub id), downloaded unless
-    --no-download (checkpoints/names.py)."""
+    --no-download (checkpoints/names.py). The first use of the bundled default says that it is imported
+    (the seconds before the progress bar moves)."""
+    folder = first_import(args.model, args.model_dir)
+    if folder is not None:
+        print(f"first use of {args.model}: importing the bundled model into {folder} (once, a few seconds)",
+              file=sys.stderr, flush=True)
     return str(resolve(args.model, args.model_dir, allow_download=not args.no_download))
 
 

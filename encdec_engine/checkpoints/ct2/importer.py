@@ -23,11 +23,11 @@ from safetensors.torch import save_file
 
 from encdec_engine.checkpoints.ct2.bundled import bundled_fingerprint, bundled_model_dir, verify_bundled
 from encdec_engine.checkpoints.ct2.format import dequantize, read_ct2_header, read_ct2_variables
-from encdec_engine.cache import cache_root
+from encdec_engine.cache import IMPORT_MARKER, cache_root
 from encdec_engine.files import fsync_file, fsync_folder
 
 _GELU = 3  # ctranslate2.specs.common_spec.Activation.GELU
-_MARKER = ".encdec-import.json"
+_MARKER = IMPORT_MARKER
 IMPORTER_VERSION = 1  # bump when the written checkpoint changes, to refresh caches
 _SMALL_FILE = 1 << 20  # bytes up to which a file's content, not its modification time, keys an import
 MODEL_NAME = "whisper-tiny.en"
