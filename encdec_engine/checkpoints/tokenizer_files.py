@@ -13,13 +13,18 @@ every layout we serve: `tokenizer.json` (the fast tokenizer), the slow files `vo
     sentencepiece.bpe.model                   mBART, mBART-50, NLLB
     tokenizer.model                           Llama
 
-which need the optional `sentencepiece` and `protobuf` packages. Here a folder it cannot serve fails
-with an error that names the files and what is missing, instead of transformers' guesses.
+which need the optional `sentencepiece` and `protobuf` packages (`pip install 'encdec-engine[sentencepiece]'`;
+Marian and M2M100 need them even beside a `tokenizer.json`, having no other tokenizer in transformers).
+Here a folder it cannot serve fails with a ValueError that names the files and what is missing, instead of
+transformers' guesses.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from encdec_engine.checkpoints.json_files import read_json
@@ -39,6 +44,9 @@ SENTENCEPIECE_LAYOUTS = (
 # Tokenizer classes (tokenizer_config.json) whose SentencePiece layout needs more than its marker.
 _EXTRA_FILES = {"M2M100Tokenizer": ("vocab.json",)}
 _SENTENCEPIECE_PACKAGES = ("sentencepiece", "google.protobuf")
+INSTALL_SENTENCEPIECE = "pip install 'encdec-engine[sentencepiece]'"
+# Layouts transformers can also read from a tokenizer.json, so that adding one is the other way out.
+_HAS_FAST_FORM = ("spiece.model", SENTENCEPIECE_MODEL)
 
 
 def _has_module(name: str) -> bool:
@@ -46,6 +54,11 @@ def _has_module(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # the parent package is missing
         return False
+
+
+def _missing_packages() -> list[str]:
+    """The SentencePiece packages this install lacks: [], ["sentencepiece"], ["sentencepiece", "protobuf"]."""
+    return [name.split(".")[-1] for name in _SENTENCEPIECE_PACKAGES if not _has_module(name)]
 
 
 def check_tokenizer_files(folder: Path) -> None:
@@ -60,16 +73,38 @@ def check_tokenizer_files(folder: Path) -> None:
         if missing:
             raise ValueError(f"{folder / marker}: a {family} SentencePiece tokenizer also needs "
                              f"{' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not in {folder}")
-        packages = [name.split(".")[-1] for name in _SENTENCEPIECE_PACKAGES if not _has_module(name)]
+        packages = _missing_packages()
         if packages:
-            raise ValueError(f"{folder / marker}: reading a SentencePiece tokenizer needs the "
-                             f"{' and '.join(packages)} package(s) (pip install 'encdec-engine[sentencepiece]'); "
-                             f"or add a {TOKENIZER_JSON}")
+            raise ValueError(missing_sentencepiece(folder / marker, packages, marker in _HAS_FAST_FORM))
         return
     layouts = ", ".join(" + ".join(files) for _, files, _ in SENTENCEPIECE_LAYOUTS)
     raise ValueError(f"{folder}: no tokenizer files ({TOKENIZER_JSON}, {' + '.join(BPE_FILES)} or a SentencePiece "
                      f"layout: {layouts}); point tokenizer= at a folder that has them, or pass "
                      "skip_tokenizer_init=True to work on token ids")
+
+
+def missing_sentencepiece(path: Path, packages: list[str], tokenizer_json_helps: bool = False) -> str:
+    """The error for a SentencePiece tokenizer at `path` read without `packages`: what to install."""
+    names = " and ".join(packages)
+    plural = len(packages) > 1
+    return (f"{path}: reading a SentencePiece tokenizer needs the {names} package{'s' if plural else ''}, which "
+            f"{'are' if plural else 'is'} not installed: {INSTALL_SENTENCEPIECE}"
+            + (f" (or give the folder a {TOKENIZER_JSON})" if tokenizer_json_helps else ""))
+
+
+@contextmanager
+def quiet_marian_normalizer() -> Iterator[None]:
+    """Drop MarianTokenizer's "Recommended: pip install sacremoses." warning while a tokenizer loads.
+
+    Without sacremoses the tokenizer sets its Moses punctuation normalizer to the identity and warns; but
+    transformers never calls that normalizer (`MarianTokenizer.normalize` has no caller in encode or
+    decode), so the ids and text are the same with or without sacremoses and the advice is noise
+    (tests/checkpoints/test_sentencepiece_extra.py checks both). Only that message is filtered."""
+    # The filters are the process's while the load runs: another thread's warnings of that text are
+    # dropped too, and nothing else.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Recommended: pip install sacremoses", category=UserWarning)
+        yield
 
 
 def _tokenizer_class(folder: Path) -> str | None:
@@ -89,7 +124,14 @@ def load_tokenizer(folder: Path):
         return tokenizer
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    try:
+        with quiet_marian_normalizer():
+            return AutoTokenizer.from_pretrained(folder)
+    except ImportError as e:  # a class with no tokenizers-only form (Marian, M2M100) beside a tokenizer.json
+        packages = _missing_packages()
+        if not packages or "sentencepiece" not in str(e).lower() and "protobuf" not in str(e).lower():
+            raise
+        raise ValueError(missing_sentencepiece(folder, packages)) from e
 
 
 def tokenizer_if_any(folder: Path):
