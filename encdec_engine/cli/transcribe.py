@@ -79,7 +79,8 @@ def plan_transcription(args: argparse.Namespace) -> TranscribePlan:
 
 
 def unreadable(path: str) -> str | None:
-    """Why an audio path cannot be read, or None."""
+    """Why an audio path cannot be read, or None: from the file system and the file's first bytes (a text
+    file, a playlist), not from decoding it: a file corrupt past its header fails while it is transcribed."""
     if not os.path.exists(path):
         return f"{path}: no such file"
     if os.path.isdir(path):
@@ -88,7 +89,9 @@ def unreadable(path: str) -> str | None:
         return f"{path}: not readable (permission denied)"
     if os.path.getsize(path) == 0:
         return f"{path}: the file is empty (0 bytes)"
-    return None
+    from encdec_engine.inputs.audio import format_problem  # lazy: numpy and libsndfile, once a file is given
+
+    return format_problem(path)
 
 
 def check_language_for_model(args: argparse.Namespace, model_path: str | None, language: str | None,
@@ -142,10 +145,12 @@ def segment_line(segment: Segment, source: str | None) -> str:
     return f"{source}: {line}" if source else line
 
 
-def _say(tqdm, text: str) -> None:
-    """A line on stdout now, even into a pipe, without tearing the progress bar on stderr."""
-    tqdm.write(text, file=sys.stdout)
-    sys.stdout.flush()
+def _say(tqdm, text: str, file=None) -> None:
+    """A line on stdout (or `file`) now, even into a pipe, on a line of its own: tqdm clears the progress bar
+    on stderr first (the bar's line ends in no newline) and draws it again after."""
+    file = file or sys.stdout
+    tqdm.write(text, file=file)
+    file.flush()
 
 
 def cmd_transcribe(args: argparse.Namespace) -> int:
@@ -184,7 +189,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
                     continue
                 if result.error is not None:
                     failed[path] = result.error
-                    error(result.error)
+                    _say(tqdm, f"error: {result.error}", sys.stderr)  # as `error` writes it, below the bar
                     continue
                 with interrupts_deferred():  # a Ctrl-C here is raised after the count: the file is whole
                     write_transcription(result, plan.output_format, plan.output_dir, path, plan.subtitles)

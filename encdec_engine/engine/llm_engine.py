@@ -73,7 +73,8 @@ class LLMEngine:
             cross_positions=(self.model.encoder_num_positions(loaded.max_encoder_len)
                              if self.model.is_encoder_decoder else None),
             model_bytes=weight_bytes(self.model))
-        logger.info("%s", self.kv_pool.describe())
+        for line in self.kv_pool.describe().splitlines():  # a record each: every line gets the handler's prefix
+            logger.info("%s", line)
         num_blocks = self.kv_pool.num_blocks
         num_swap = int(config.swap_space_gb * _GiB // per_block)
         self.block_manager = BlockManager(bs, num_blocks, num_swap, enable_caching=config.enable_prefix_caching)

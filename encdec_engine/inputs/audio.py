@@ -129,6 +129,22 @@ def read_header(source: AudioSource) -> tuple[float | None, int, int] | None:
     return seconds, info.samplerate, info.channels
 
 
+def format_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why a file is in no format decoded here, from its first bytes alone (nothing is decoded): None when
+    libsndfile reads its header or its first bytes name a container ffmpeg decodes, the two that
+    `load_audio` tries, in that order; else the refusal `load_audio` would raise, naming the file. A file
+    that passes may still be corrupt past its header."""
+    if read_header(path) is not None:
+        return None
+    try:
+        ffmpeg.sniff_file(str(path), str(path))
+    except ffmpeg.FormatError as e:
+        return str(e)
+    except OSError as e:  # gone or locked since it was listed
+        return f"cannot read {path}: {e.strerror or e}"
+    return None
+
+
 def load_audio(path_or_file: AudioSource, sr: int = SAMPLE_RATE, max_seconds: float | None = None,
                name: str | None = None) -> np.ndarray:
     """Decode an audio file (path or binary file object) to float32 mono at ``sr`` Hz.

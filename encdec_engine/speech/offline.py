@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 # "12.3/69.3 s of audio [00:04<00:10, 7.6x realtime, files 1/3]": seconds of audio, not "s/s" rates.
 _BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s of audio [{elapsed}<{remaining}{postfix}]"
+TRANSCRIBING, FINDING_SPEECH = "Transcribing", "Finding speech (VAD)"  # the bar's phases
 
 
 @dataclass
@@ -49,18 +51,37 @@ class _Progress:
     """The progress bar: seconds of audio done, the x-realtime rate, and files done. It counts whole mel
     frames (10 ms), never rounded float seconds, so that it ends exactly at its total: each input's frames
     are its length (from its header, corrected once it is read) and what a window advances is clamped to
-    what is left of its input, which the input's end fills up."""
+    what is left of its input, which the input's end fills up.
 
-    def __init__(self, probed: list[float | None], enabled: bool) -> None:
+    It is drawn when tqdm's `update` finds `mininterval` passed, and at each change of phase or file, never
+    at every engine step: into a log (stderr not a terminal) each drawing is written out, not redrawn."""
+
+    def __init__(self, probed: list[float | None], enabled: bool, phase: str = TRANSCRIBING) -> None:
         self.expected = {i: _frames(s) for i, s in enumerate(probed) if s is not None}  # input -> its frames
         self.counted: Counter[int] = Counter()  # input -> frames counted so far
         self.files, self.files_done = len(probed), 0
-        self.bar = tqdm(total=sum(self.expected.values()), unit_scale=1 / FRAMES_PER_SECOND, desc="Transcribing",
+        self.current = phase  # what the bar names
+        self.searched_at = 0.0  # when the VAD's progress was last drawn (time.monotonic)
+        self.bar = tqdm(total=sum(self.expected.values()), unit_scale=1 / FRAMES_PER_SECOND, desc=phase,
                         bar_format=_BAR_FORMAT, disable=not enabled)
 
     def phase(self, what: str) -> None:
-        """Name what runs now (reading the audio and finding its speech can take a while)."""
-        self.bar.set_description_str(what)
+        """Name what runs now (reading the audio and finding its speech can take a while); drawn if new."""
+        if what != self.current:
+            self.current = what
+            self.bar.set_description_str(what, refresh=False)
+            self.bar.set_postfix_str(self._postfix(self.bar.n), refresh=False)
+            self.bar.refresh()
+
+    def searched(self, done: float, total: float) -> None:
+        """The VAD has searched `done` of the `total` seconds it was given: drawn at most every
+        `mininterval`, and at its end, so that a log shows the phase advance and finish."""
+        now = time.monotonic()
+        if self.bar.disable or (done < total and now - self.searched_at < self.bar.mininterval):
+            return
+        self.searched_at = now
+        self.bar.set_postfix_str(f"speech searched in {done:.1f}/{total:.1f} s", refresh=False)
+        self.bar.refresh()
 
     def read(self, index: int, seconds: float) -> None:
         """An input is read: its real length replaces what its header said (or nothing did)."""
@@ -71,21 +92,23 @@ class _Progress:
             self.bar.total += change
             self.bar.refresh()
 
-    def advance(self, index: int, frames: int) -> None:
+    def advance(self, index: int, frames: int) -> bool:
+        """Count a window's frames; True if the bar was drawn (tqdm's `update`: `mininterval` passed)."""
         frames = max(0, min(frames, self.expected.get(index, 0) - self.counted[index]))
         self.counted[index] += frames
-        self.bar.update(frames)
-        self._postfix()
+        self.bar.set_postfix_str(self._postfix(self.bar.n + frames), refresh=False)
+        return bool(self.bar.update(frames))
 
     def file_done(self, index: int) -> None:
         self.files_done += 1
-        self.advance(index, self.expected.get(index, 0))  # the rest of it (silence skipped, VAD's gaps)
+        if not self.advance(index, self.expected.get(index, 0)):  # the rest of it (silence skipped, VAD's gaps)
+            self.bar.refresh()  # the file count changed
         self.counted.pop(index, None)
 
-    def _postfix(self) -> None:
+    def _postfix(self, frames: int) -> str:
         elapsed = self.bar.format_dict["elapsed"]
-        rate = f"{self.bar.n / FRAMES_PER_SECOND / elapsed:.1f}x realtime, " if elapsed > 0 else ""
-        self.bar.set_postfix_str(f"{rate}files {self.files_done}/{self.files}")
+        rate = f"{frames / FRAMES_PER_SECOND / elapsed:.1f}x realtime, " if elapsed > 0 else ""
+        return f"{rate}files {self.files_done}/{self.files}"
 
 
 def _frames(seconds: float) -> int:
@@ -135,13 +158,24 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f"max_in_flight must be at least 1 (or None: every input at once), got {max_in_flight}")
     transcriber = Transcriber(engine, options)
-    inputs = InputQueue(audio_inputs(audio), transcriber.load_many)  # a group's VAD runs as one batch
+
+    def load(group: list[tuple[int, object]]) -> list[TranscriptionJob]:
+        """Read a group of inputs; its VAD runs as one batch, shown as a phase of the bar (`progress`,
+        made below from the lengths the queue probes)."""
+        if not options.vad_filter:
+            return transcriber.load_many(group)
+        progress.phase(FINDING_SPEECH)
+        jobs = transcriber.load_many(group, progress.searched)
+        progress.phase(TRANSCRIBING)
+        return jobs
+
+    inputs = InputQueue(audio_inputs(audio), load)
     roots: dict[int, TranscriptionJob] = {}  # inputs read and not done
     queue: list[TranscriptionJob] = []
     running: Counter[int] = Counter()  # jobs of each input that are not done
     in_flight: dict[str, TranscriptionJob] = {}
     feed = _SegmentFeed(transcriber.assembler)
-    progress = _Progress(inputs.probed, use_tqdm)
+    progress = _Progress(inputs.probed, use_tqdm, FINDING_SPEECH if options.vad_filter else TRANSCRIBING)
 
     def submit(job: TranscriptionJob) -> None:
         align = "-words" if job.pending is not None else ""
@@ -161,11 +195,7 @@ def stream_transcriptions(engine: LLMEngine, options: TranscribeOptions, audio, 
     def read_more() -> list[TranscriptionUpdate]:
         """Read the inputs that fit now; those with nothing to decode (unreadable, no audio) are done."""
         finished = []
-        if options.vad_filter and not inputs.exhausted:
-            progress.phase("Finding speech (VAD)")
-        jobs = inputs.take()
-        progress.phase("Transcribing")
-        for job in jobs:
+        for job in inputs.take():
             if job.error is None:
                 progress.read(job.index, job.duration)
             roots[job.index] = job

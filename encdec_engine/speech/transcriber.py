@@ -38,7 +38,7 @@ Only this module writes a job's fields (job.py declares them; prompts.py's `afte
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -84,16 +84,19 @@ class WindowPlanner:
         self.options = options
         self.n_mels = n_mels
 
-    def load_many(self, items: Sequence[tuple[int, object]], language: str | None) -> list[TranscriptionJob]:
+    def load_many(self, items: Sequence[tuple[int, object]], language: str | None,
+                  on_vad: Callable[[float, float], None] | None = None) -> list[TranscriptionJob]:
         """Read (index, input) pairs (path, bytes, array, or (samples, rate)) and plan their windows; a bad
-        input's job gets `error` set. The VAD runs on all of them at once."""
+        input's job gets `error` set. The VAD runs on all of them at once (`on_vad(done, total)`: seconds
+        it has searched, after each of its steps)."""
         jobs = [self._read(index, item, language) for index, item in items]
         readable = [job for job in jobs if job.error is None]
         vad = self.options.vad_parameters
         if vad is not None and readable:
             max_chunk = N_SAMPLES if self.options.chunked else None
             pad = round(vad.speech_pad_ms * SAMPLE_RATE / 1000)
-            for job, spans in zip(readable, shared_vad().speech_spans([job.samples for job in readable], vad)):
+            found = shared_vad().speech_spans([job.samples for job in readable], vad, on_progress=on_vad)
+            for job, spans in zip(readable, found):
                 job.speech = SpeechTimeline.of(spans, len(job.samples), pad, max_chunk)
                 job.samples = job.speech.join(job.samples)
         for job in readable:
@@ -198,9 +201,11 @@ class Transcriber:
         """Read one input (path, bytes, array, or (samples, rate)); a bad one gets `error` set."""
         return self.planner.load_many([(index, item)], self.language)[0]
 
-    def load_many(self, pairs: list[tuple[int, object]]) -> list[TranscriptionJob]:
-        """Read (index, input) pairs at once: the VAD, when asked for, runs on all of them together."""
-        return self.planner.load_many(pairs, self.language)
+    def load_many(self, pairs: list[tuple[int, object]],
+                  on_vad: Callable[[float, float], None] | None = None) -> list[TranscriptionJob]:
+        """Read (index, input) pairs at once: the VAD, when asked for, runs on all of them together
+        (`on_vad(done, total)`: the seconds it has searched, as it goes)."""
+        return self.planner.load_many(pairs, self.language, on_vad)
 
     def start(self, job: TranscriptionJob) -> list[TranscriptionJob]:
         """The jobs of a loaded input that need a request first (none for a bad input, or one whose clips

@@ -18,7 +18,7 @@ The probabilities equal the frame loop's (to float rounding), and silero's own
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -61,11 +61,15 @@ class SileroVad:
         self._spans_from_probs = module.get_speech_timestamps_from_probs
 
     @torch.inference_mode()
-    def speech_probs(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def speech_probs(self, audios: Sequence[np.ndarray],
+                     on_progress: Callable[[float, float], None] | None = None) -> list[np.ndarray]:
         """[num_frames] speech probability of every 32 ms frame of each [num_samples] 16 kHz recording
-        (the last frame zero-padded), as silero's frame loop gives them."""
+        (the last frame zero-padded), as silero's frame loop gives them. `on_progress(done, total)`:
+        seconds of audio searched so far and in all, after each window of frames (the last: done == total)."""
         frames = [_frames(a) for a in audios]
         probs = [np.zeros(0, dtype=np.float32) for _ in audios]
+        total = sum(len(a) for a in audios)  # samples
+        done = 0
         order = sorted(range(len(audios)), key=lambda i: -len(frames[i]))  # longest first: live rows are a prefix
         for g in range(0, len(order), MAX_STREAMS):
             group = [i for i in order[g : g + MAX_STREAMS] if len(frames[i])]
@@ -83,15 +87,19 @@ class SileroVad:
                 hidden, _ = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)  # [live, frames, 128]
                 for row, (i, n) in enumerate(zip(live, lengths)):
                     pieces[i].append(self._head(hidden[row, :n].unsqueeze(-1)).flatten())
+                    done += min((start + n) * FRAME_SAMPLES, len(audios[i])) - start * FRAME_SAMPLES
+                if on_progress is not None:
+                    on_progress(done / SAMPLE_RATE, total / SAMPLE_RATE)
             for i in group:
                 probs[i] = torch.cat(pieces[i]).numpy()
         return probs
 
-    def speech_spans(self, audios: Sequence[np.ndarray], options: VadOptions) -> list[list[tuple[int, int]]]:
+    def speech_spans(self, audios: Sequence[np.ndarray], options: VadOptions,
+                     on_progress: Callable[[float, float], None] | None = None) -> list[list[tuple[int, int]]]:
         """[(start, end)] sample spans of speech in each recording: silero's `get_speech_timestamps`
-        with these options."""
+        with these options (`on_progress`: as `speech_probs`'s)."""
         spans = []
-        for audio, probs in zip(audios, self.speech_probs(audios)):
+        for audio, probs in zip(audios, self.speech_probs(audios, on_progress)):
             found = self._spans_from_probs(
                 probs.tolist(), sampling_rate=SAMPLE_RATE, threshold=options.threshold,
                 neg_threshold=options.neg_threshold, min_speech_duration_ms=options.min_speech_duration_ms,

@@ -174,6 +174,19 @@ def test_unreadable_files_are_reported_up_front(no_engine, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_files_in_no_audio_format_are_reported_before_the_model_loads(no_engine, tmp_path, capsys):
+    """A text file and a playlist were refused only once read, after the model had loaded: their first
+    bytes tell (libsndfile's header, else ffmpeg's sniffing, as loading tries them) before anything loads."""
+    notes, playlist = tmp_path / "notes.wav", tmp_path / "list.m4a"
+    notes.write_text("these are my notes\n")
+    playlist.write_text("ffconcat version 1.0\nfile a.wav\n")
+    assert main(["transcribe", str(notes), str(playlist), "--quiet", "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"error: {notes} is not in an audio format this engine decodes (WAV, ")
+    assert err[1:] == [f"error: {playlist} is an ffconcat playlist, not audio: files that refer to other files "
+                       "or URLs are refused", "error: no readable audio file among 2"]
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
 def test_a_file_without_read_permission_is_reported(no_engine, tmp_path, capsys):
     locked = tmp_path / "locked.wav"

@@ -142,3 +142,21 @@ def test_subtitle_line_layout(tmp_path):
     assert all(len(line) <= 20 or " " not in line for text in lines for line in text)
     assert " ".join(" ".join(text) for text in lines).split() == "".join(w["word"] for w in words).split()
     assert check_cues((tmp_path / "weather.srt").read_text().splitlines(), SRT_TIME, 10.0) == len(cues)
+
+
+@pytest.mark.integration  # a subprocess of the engine
+def test_bad_files_are_named_before_the_load_and_below_the_progress_bar(tmp_path):
+    """stderr into a pipe, as in a log. A file in no audio format was named only after the model had loaded;
+    one that fails while the bar is drawn (a WAV header with nothing decodable after it) was written on the
+    bar's line, which ends in no newline: "...files 0/2]error: ...". Now the first is named before the bar
+    exists, and the second is written after tqdm cleared the bar (a carriage return)."""
+    notes, broken = tmp_path / "notes.wav", tmp_path / "broken.wav"
+    notes.write_text("these are my notes\n")
+    broken.write_bytes(b"RIFF\x24\x00\x00\x00WAVEjunk" + bytes(range(200)))
+    r = encdec("transcribe", str(AUDIO / "fox.wav"), str(notes), str(broken), "-o", str(tmp_path), "-f", "txt")
+    assert r.returncode == 1 and "quick brown fox" in r.stdout, r.stderr
+    assert r.stderr.startswith(f"error: {notes} is not in an audio format this engine decodes"), r.stderr
+    decode_error = f"error: cannot decode {broken} (wav: corrupt or truncated)\n"
+    assert decode_error in r.stderr and r.stderr.index(decode_error) > r.stderr.index("Transcribing")
+    for at in (m.start() for m in re.finditer("error: ", r.stderr)):
+        assert at == 0 or r.stderr[at - 1] in "\r\n", repr(r.stderr[max(0, at - 40) : at + 40])

@@ -185,3 +185,25 @@ def test_the_progress_bar_ends_exactly_at_its_total_and_shows_the_vad_phase(tmp_
         assert float(n) == float(total) > 70 and "100%" in last and "files 3/3" in last, last
         assert not any("clamping" in line or "-" in line.split("<")[-1][:3] for line in lines), lines
         assert any(line.startswith("Finding speech (VAD)") for line in lines) == vad
+        # The VAD phase advances and shows its end, also in a log: it sat at 0% until the first window.
+        searched = [line.split("speech searched in ")[1] for line in lines if "speech searched in" in line]
+        assert bool(searched) == vad
+        if vad:
+            done, total = searched[-1].split(" s]")[0].split("/")
+            assert float(done) == float(total) > 70, searched
+
+
+def test_the_progress_bar_is_drawn_when_its_phase_changes_not_at_every_step(capsys):
+    """Each engine step named the phase again, and tqdm's set_description_str draws the bar at once: a
+    log (stderr not a terminal) got a copy of the bar per step. Naming the current phase draws nothing."""
+    from encdec_engine.speech.offline import FINDING_SPEECH, TRANSCRIBING, _Progress
+
+    progress = _Progress([12.0, None], enabled=True, phase=FINDING_SPEECH)
+    capsys.readouterr()
+    for _ in range(5):
+        progress.phase(FINDING_SPEECH)
+    assert capsys.readouterr().err == ""
+    progress.phase(TRANSCRIBING)
+    progress.phase(TRANSCRIBING)
+    assert capsys.readouterr().err.count("\r") == 1
+    progress.bar.close()

@@ -84,6 +84,19 @@ def test_speech_probs_equal_the_frame_loop():
     assert len(probs[0]) > 1024  # more than one window of frames
 
 
+def test_the_vad_reports_the_seconds_it_has_searched_up_to_all_of_them():
+    """The progress bar's VAD phase sat at 0% until the VAD was done (nothing told how far it was): it
+    reports after each window of frames now, in seconds of audio, the last report at the total."""
+    audios = [np.zeros(70 * SAMPLE_RATE + 123, np.float32), np.zeros(0, np.float32), np.full(700, 0.1, np.float32)]
+    reports = []
+    shared_vad().speech_spans(audios, VadOptions(), on_progress=lambda done, total: reports.append((done, total)))
+    total = (70 * SAMPLE_RATE + 123 + 700) / SAMPLE_RATE
+    assert len(reports) == 3  # the 70 s recording takes 3 windows of 1024 frames
+    assert all(t == pytest.approx(total) for _, t in reports)
+    assert [d for d, _ in reports] == sorted(d for d, _ in reports) and reports[0][0] > 0
+    assert reports[-1][0] == pytest.approx(total)
+
+
 @pytest.mark.integration  # a subprocess of the engine
 def test_importing_silero_keeps_the_thread_count():
     """silero_vad sets one thread for the whole process when imported; loading it here does not."""
@@ -204,8 +217,8 @@ def test_speech_is_found_across_many_files_at_once(monkeypatch):
     calls = []
     vad = shared_vad()
     speech_spans = vad.speech_spans
-    monkeypatch.setattr(vad, "speech_spans", lambda audios, options: calls.append(len(audios))
-                        or speech_spans(audios, options))
+    monkeypatch.setattr(vad, "speech_spans", lambda audios, options, **kw: calls.append(len(audios))
+                        or speech_spans(audios, options, **kw))
     planner = WindowPlanner(TranscribeOptions(vad_filter=True), n_mels=80)
     recs = [recording("fox.wav", silence(12), "weather.wav"), recording(silence(2), "coffee.wav")]
     jobs = planner.load_many([(0, recs[0].samples), (1, b"not audio"), (2, recs[1].samples)], "en")

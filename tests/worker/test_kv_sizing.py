@@ -216,3 +216,17 @@ def test_weight_bytes_counts_tied_tensors_once():
     model = torch.nn.ModuleDict({"emb": emb, "head": head})
     model.register_buffer("scale", torch.ones(3, dtype=torch.float16))
     assert weight_bytes(model) == 10 * 4 * 4 + 3 * 2
+
+
+def test_the_engine_logs_each_line_of_its_kv_pool_as_a_record(bart_path, caplog):
+    """The report's lines were one record, so a handler's prefix (the server's "INFO:     ") stood before
+    the first only and "a full-length request's cross cache ..." came bare; each is a record now."""
+    from encdec_engine import LLM
+
+    with caplog.at_level("INFO", logger="encdec_engine"):
+        llm = LLM(model=str(bart_path), num_kv_blocks=64)
+    messages = [r.getMessage() for r in caplog.records if r.name == "encdec_engine.engine.llm_engine"]
+    assert all("\n" not in m for m in messages), messages
+    assert any(m.startswith("KV pool: 64 blocks") for m in messages), messages
+    assert any(m.startswith("a full-length request's cross cache") for m in messages), messages
+    del llm
