@@ -26,10 +26,8 @@ logger = logging.getLogger(__name__)
 
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity mask), where the OS tells."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows: no affinity masks
-        return os.cpu_count() or 1
+    cores = _affinity()
+    return len(cores) if cores is not None else os.cpu_count() or 1
 
 
 def default_threads() -> tuple[int, str]:
@@ -77,6 +75,7 @@ class CoreShare:
 
     window = 0.25  # seconds between measurements (/proc/stat counts in 10 ms ticks)
     threshold = 0.4  # cores the others must use for a thread to make way (a little background is noise)
+    first_window = 0.1  # seconds: the first look, before the load (idle: nothing of this process runs)
 
     def __init__(self, threads: int, busy: Callable[[], float], own: Callable[[], float] = time.process_time,
                  clock: Callable[[], float] = time.monotonic, set_threads: Callable[[int], None] = torch.set_num_threads,
@@ -98,8 +97,6 @@ class CoreShare:
             time.sleep(cls.first_window)
             share.update(force=True)
         return share
-
-    first_window = 0.1  # seconds: the first look, before the load (idle: nothing of this process runs)
 
     def update(self, force: bool = False) -> int:
         """The thread count for the next step (changed in torch when it changes)."""
@@ -135,6 +132,7 @@ def _others_running(looks: int = 5, apart: float = 0.001) -> bool:
 
 
 def _affinity() -> list[int] | None:
+    """The cores this process may run on, or None where the OS has no affinity masks (macOS, Windows)."""
     try:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:

@@ -14,7 +14,7 @@ from fastapi import HTTPException
 
 from encdec_engine.server import routes
 from encdec_engine.server.errors import APIError
-from encdec_engine.server.limits import ServerLimits
+from encdec_engine.server.limits import ServerLimits, client_address
 from encdec_engine.server.origins import refusal
 from encdec_engine.server.state import ServerState
 
@@ -54,7 +54,7 @@ class Gate:
             await send(message)
 
         received, started, complete = 0, time.monotonic(), [False]
-        reservation = self.state.audio_memory.reserve(_client(scope)) if path in routes.AUDIO_PATHS else None
+        reservation = self.state.audio_memory.reserve(client_address(scope)) if path in routes.AUDIO_PATHS else None
         if reservation is not None:
             scope.setdefault("state", {})["audio_reservation"] = reservation
 
@@ -136,11 +136,6 @@ def _refused(path: str, headers: dict[bytes, bytes], limits: ServerLimits) -> AP
     if limits.api_key is not None and guarded:
         return _check_api_key(headers.get(b"authorization"), limits.api_key)
     return None
-
-
-def _client(scope) -> str:
-    client = scope.get("client")
-    return client[0] if client else ""
 
 
 def _check_api_key(header: bytes | None, api_key: str) -> APIError | None:

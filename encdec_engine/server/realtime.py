@@ -42,7 +42,7 @@ from fastapi import APIRouter, WebSocket
 
 from encdec_engine.inputs.pcm_stream import AudioChunks, pcm16_samples
 from encdec_engine.server import routes
-from encdec_engine.server.limits import SessionRefused
+from encdec_engine.server.limits import SessionRefused, client_address
 from encdec_engine.server.realtime_protocol import (OPENAI_MODELS, ProtocolError, SessionConfig, apply_update,
                                                     error_event, event, parse_event, server_events, session_object)
 from encdec_engine.server.state import ServerState
@@ -69,7 +69,7 @@ async def realtime(websocket: WebSocket) -> None:
     st: ServerState = websocket.app.state.server
     beta = websocket.headers.get("openai-beta", "").lower().startswith("realtime")
     await websocket.accept()
-    client = websocket.client.host if websocket.client else ""  # the address, as gate.py keys audio memory
+    client = client_address(websocket.scope)  # as the gate keys audio memory
     refusal = _refusal(st, websocket)
     if refusal is None:
         try:

@@ -49,6 +49,7 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 TASKS_PER_THREAD = 4  # few sequences: split each one's keys into runs until the threads have this many tasks
 MIN_RUN = 64  # keys: a shorter run costs more in its partial sums than it spreads
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH  # mode bits that let others than the owner write
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -212,10 +213,10 @@ def _open_private(folder: Path) -> int:
         raise Unavailable(f"the kernel folder {folder} cannot be made or opened: {e}") from None
     try:
         info = os.fstat(fd)
-        if info.st_uid == os.geteuid() and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        if info.st_uid == os.geteuid() and info.st_mode & _OTHERS_WRITE:
             own = os.open(folder, os.O_RDONLY | flags)
             if os.path.samestat(os.fstat(own), info):
-                os.fchmod(own, stat.S_IMODE(info.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+                os.fchmod(own, stat.S_IMODE(info.st_mode) & ~_OTHERS_WRITE)
                 logger.info("%s could be written by other users (mode %04o): made it this user's alone", folder,
                             stat.S_IMODE(info.st_mode))
             os.close(own)
@@ -239,10 +240,11 @@ def _open_library(folder_fd: int, folder: Path, name: str) -> ctypes.CDLL:
     try:
         _check_owner(fd, folder / name, "regular file", "")
         return ctypes.CDLL(f"/proc/self/fd/{fd}")
-    except BaseException as e:
+    except OSError as e:
         os.close(fd)
-        if isinstance(e, OSError):
-            raise Unavailable(f"loading {folder / name} failed: {e}") from None
+        raise Unavailable(f"loading {folder / name} failed: {e}") from None
+    except BaseException:
+        os.close(fd)
         raise
 
 
@@ -255,7 +257,7 @@ def _check_owner(fd: int, path: Path, kind: str, advice: str) -> None:
     if info.st_uid not in (me, 0):
         raise Untrusted(f"{path} belongs to uid {info.st_uid}, not to this user (uid {me}): not loading from it"
                         + advice)
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if info.st_mode & _OTHERS_WRITE:
         raise Untrusted(f"{path} can be written by other users (mode {stat.S_IMODE(info.st_mode):04o}): not "
                         f"loading from it" + advice)
 
