@@ -34,6 +34,7 @@ def ways():
     import torch.nn.functional as F
 
     from encdec_engine.attention.ops import onednn_attention
+    from encdec_engine.layers.linear import bf16_native
 
     def flash(q, k, v):  # [L, H, D] token-major, as the engine holds them
         return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
@@ -46,7 +47,7 @@ def ways():
         return run
 
     found = {"flash": flash, "onednn fp32": onednn(torch.float32)}
-    if onednn_attention.bf16_supported():
+    if bf16_native():
         found["onednn bf16"] = onednn(torch.bfloat16)
     return found
 

@@ -115,7 +115,7 @@ def engine_worker(args) -> dict:
     from encdec_engine.machine.cpu_kernels import machine_plan
 
     torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+    llm = LLM(model=args.model, quantization=args.quantization, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
               enable_prefix_caching=False, kv_cache_space_gb=4.0)
     audio = windows(2 * BATCH + 2)
     counter = iter(range(10**9))
@@ -212,6 +212,8 @@ def systems(size: str, args) -> dict[str, tuple[str, list[str]]]:
     hf = make_checkpoint(size)
     rows = {"engine fp32": (sys.executable, ["--worker", "engine", "--model", str(hf)]),
             "engine int8": (sys.executable, ["--worker", "engine", "--model", str(hf), "--quantization", "int8"])}
+    if args.bf16:
+        rows["engine bf16"] = (sys.executable, ["--worker", "engine", "--model", str(hf), "--dtype", "bfloat16"])
     if args.kv_int8:
         rows["engine int8 + int8 KV"] = (sys.executable, ["--worker", "engine", "--model", str(hf), "--quantization",
                                                           "int8", "--kv-cache-dtype", "int8"])
@@ -268,11 +270,13 @@ def main() -> int:
     ap.add_argument("--tokens-low", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--bf16", action="store_true", help="also the engine in bfloat16")
     ap.add_argument("--kv-int8", action="store_true", help="also the engine with int8 weights and an int8 KV cache")
     ap.add_argument("--worker", choices=["engine", "ct2", "whispercpp"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--compute-type", default="int8", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

@@ -45,7 +45,7 @@ def main() -> int:
     import torch
 
     from encdec_engine import LLM
-    from encdec_engine.attention.ops import onednn_attention
+    from encdec_engine.layers.linear import bf16_native
     from encdec_engine.checkpoints.ct2.importer import default_model_path
     from encdec_engine.quantization.int8_weights import int_mm_is_exact
     from encdec_engine.machine import cpu_kernels
@@ -70,7 +70,7 @@ def main() -> int:
     print(f"{'fp32':<44}{row}")
 
     outlier_kernels = ["rows", "fp32"] if int_mm_is_exact() else ["fp32"]
-    attention = [torch.bfloat16, torch.float32] if onednn_attention.bf16_supported() else [torch.float32]
+    attention = [torch.bfloat16, torch.float32] if bf16_native() else [torch.float32]
     for kernel in outlier_kernels:
         os.environ["ENCDEC_INT8_OUTLIERS"] = kernel
         cpu_kernels.machine_plan.cache_clear()

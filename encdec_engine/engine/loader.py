@@ -13,8 +13,9 @@ from torch import nn
 
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.config import EngineConfig
-from encdec_engine.attention.ops import cpu_decode, onednn_attention
+from encdec_engine.attention.ops import cpu_decode
 from encdec_engine.machine.cpu_kernels import machine_plan, prepare_cpu_linears
+from encdec_engine.layers.linear import bf16_native
 from encdec_engine.models.registry import resolve_model_class
 from encdec_engine.models.encdec_layers import EncDecAttention
 from encdec_engine.checkpoints.generation_config import decoder_start_token_id, load_generation_config
@@ -136,13 +137,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     for module in model.modules():
         if isinstance(module, EncDecAttention):
             module.fold_query_scaling()
-    plan = prepare_cpu_linears(model, config.quantization)  # this machine's fp32 or int8 kernels (machine/cpu_kernels.py)
-    if plan is not None and hasattr(backend, "onednn_attention") and machine_plan(int8=False).fp32 == "onednn":
-        # Long prefill attention on the linears' library; in bf16 where int8 weights already trade exactness.
-        bf16 = config.quantization == "int8" and onednn_attention.bf16_supported()
+    plan = prepare_cpu_linears(model, config.quantization)  # this machine's fp32, bf16 or int8 kernels (machine/)
+    if plan is not None and hasattr(backend, "onednn_attention") and (plan.bf16 or machine_plan(int8=False).fp32
+                                                                      == "onednn"):
+        # Long prefill attention on the linears' library; in bf16 where the model is bf16 or int8 weights
+        # already trade exactness, and oneDNN multiplies bf16 natively.
+        bf16 = (plan.bf16 or config.quantization == "int8") and bf16_native()
         backend.onednn_attention = torch.bfloat16 if bf16 else torch.float32
-    if (hasattr(backend, "fused_decode") and device.type == "cpu" and dtype == torch.float32
-            and config.kv_cache_dtype == "auto"):
+    if hasattr(backend, "fused_decode") and device.type == "cpu" and config.torch_kv_cache_dtype == torch.float32:
         backend.fused_decode = cpu_decode.load()  # decode reads straight from the fp32 pool, where it builds
 
     eos = hf_config.eos_token_id

@@ -38,9 +38,18 @@ def onednn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@cache
+def bf16_native() -> bool:
+    """Whether oneDNN multiplies bf16 natively here (AVX-512 BF16 or AMX), not by emulation."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return check is not None and bool(check())
+
+
 def packs(weight: torch.Tensor) -> bool:
-    """Whether `weight` ([out, in]) can run through the packed oneDNN path."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_packing_available()
+    """Whether `weight` ([out, in]) can run through the packed oneDNN path: fp32, or bf16 where oneDNN
+    multiplies bf16 natively (emulated it is slower than `F.linear`)."""
+    return (weight.device.type == "cpu" and onednn_packing_available()
+            and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bf16_native())))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -58,14 +67,15 @@ _POST_OPS = {"relu": ("relu", ""), "gelu": ("gelu", "none")}
 
 
 @cache
-def fuses_activation(name: str) -> bool:
+def fuses_activation(name: str, dtype: torch.dtype = torch.float32) -> bool:
     """Whether oneDNN's post-op for the activation `name` gives `get_activation(name)`'s values bit for
-    bit on this machine (its kernels differ by CPU, so it is checked here, once, not assumed)."""
+    bit on this machine in `dtype` (its kernels differ by CPU, so it is checked here, once, not assumed;
+    in bf16 the post-op acts before the output's rounding, so it does not)."""
     if name not in _POST_OPS or not onednn_packing_available():
         return False
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 32, generator=generator) * 4  # outputs well into both tails
-    weight = torch.randn(512, 32, generator=generator) / 4
+    x = (torch.randn(64, 32, generator=generator) * 4).to(dtype)  # outputs well into both tails
+    weight = (torch.randn(512, 32, generator=generator) / 4).to(dtype)
     packed = pack_weight(weight)
     fused = torch.ops.mkldnn._linear_pointwise(x, packed, None, _POST_OPS[name][0], [], _POST_OPS[name][1])
     return torch.equal(fused, get_activation(name)(packed_linear(x, packed, None)))
@@ -90,7 +100,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", pack_weight(linear.weight), persistent=False)
         self.bias = linear.bias
         self.activation: str | None = getattr(linear, "activation", None)  # an ActivatedLinear's
-        self._post_op = _POST_OPS[self.activation] if self.activation and fuses_activation(self.activation) \
+        fuses = self.activation and fuses_activation(self.activation, linear.weight.dtype)
+        self._post_op = _POST_OPS[self.activation] if fuses \
             else ("none", "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +135,7 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every CPU fp32 `nn.Linear` with a PackedLinear; returns how many."""
+    """Replace every CPU `nn.Linear` that `packs` (fp32; bf16 where native) with a PackedLinear; returns how many."""
     return replace_linears(model, PackedLinear, packs)
 
 

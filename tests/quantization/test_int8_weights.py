@@ -421,14 +421,14 @@ def float_weight(module: nn.Module) -> torch.Tensor:
 def test_long_prefill_attention_follows_the_precision(make_llm):
     """Where the fp32 linears run on oneDNN, so does the encoder's long attention: fp32 for an fp32 engine
     (parity), bf16 matmuls for an int8 one where oneDNN has native bf16."""
-    from encdec_engine.attention.ops import onednn_attention
+    from encdec_engine.layers.linear import bf16_native
     from encdec_engine.machine.cpu_kernels import machine_plan
 
     on = machine_plan(int8=False).fp32 == "onednn"
     fp32 = make_llm(default_model_path()).engine.runner.backend.onednn_attention
     int8 = make_llm(default_model_path(), quantization="int8").engine.runner.backend.onednn_attention
     assert fp32 == (torch.float32 if on else None)
-    assert int8 == ((torch.bfloat16 if onednn_attention.bf16_supported() else torch.float32) if on else None)
+    assert int8 == ((torch.bfloat16 if bf16_native() else torch.float32) if on else None)
 
 
 def test_activations_keep_all_8_bits_where_fbgemm_sums_them_exactly():

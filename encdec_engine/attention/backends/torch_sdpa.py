@@ -224,14 +224,24 @@ class TorchSDPABackend:
             store_kv(key, value, kv_cache, view.slot_mapping)
             if not view.reads_cache:  # attend to the K/V as the cache holds them (int8: rounded)
                 key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
+        if view.reads_cache and query.dtype == torch.bfloat16 and query.device.type == "cpu":
+            # A bf16 model on the CPU reads its cache in fp32: the pool holds its bf16 values exactly
+            # (EngineConfig.torch_kv_cache_dtype), and the compiled decode kernel, the self rows and the
+            # head-major copies read fp32, where torch's bf16 math attention upcasts every read (5x slower).
+            # Fresh K/V (prefill) are attended in bf16: oneDNN's native bf16 matmuls or SDPA's flash kernel.
+            key, value = (None, None) if key is None else (key.float(), value.float())
+            return self._read_cache(query.float(), key, value, kv_cache, view, scale, position_bias).to(query.dtype)
+        return self._read_cache(query, key, value, kv_cache, view, scale, position_bias) if view.reads_cache \
+            else self._attend_fresh(query, key, value, view, scale, position_bias)
+
+    def _read_cache(self, query, key, value, kv_cache, view: AttentionView, scale: float,
+                    position_bias: PositionBias | None) -> torch.Tensor:
         if isinstance(view.plan, PagedDecodePlan):
             return self._attend_paged(query, kv_cache, view.plan, scale, position_bias)
         if isinstance(view.plan, SelfRowsPlan) and query.dtype == torch.float32 and kv_cache.dtype in (torch.float32,
                                                                                                     torch.int8):
             return self._attend_self_rows(query, key, value, kv_cache, view, scale, position_bias)
-        if view.reads_cache:
-            return self._attend_cache(query, kv_cache, view, scale, position_bias)
-        return self._attend_fresh(query, key, value, view, scale, position_bias)
+        return self._attend_cache(query, kv_cache, view, scale, position_bias)
 
     def _attend_paged(self, query, kv_cache, plan: PagedDecodePlan, scale: float | None,
                       position_bias: PositionBias | None) -> torch.Tensor:

@@ -43,14 +43,8 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def applies(query: torch.Tensor, query_len: int, key_len: int) -> bool:
-    return (query.device.type == "cpu" and query.dtype == torch.float32
+    return (query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
             and min(query_len, key_len) >= MIN_LENGTH)
-
-
-def bf16_supported() -> bool:
-    """Whether oneDNN multiplies bf16 natively here (AVX-512 BF16 or AMX), not by emulation."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return check is not None and bool(check())
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, out: torch.Tensor,
