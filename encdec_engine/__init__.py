@@ -4,6 +4,7 @@
     llm.py               the offline API: LLM.generate, summarize, translate, transcribe, transcribe_iter,
                          transcribe_segments, transcribe_live
     config.py            EngineConfig: one dataclass, validated at construction
+    compute_types.py     faster-whisper's compute types as the engine's quantization and dtype
     sampling_params.py   SamplingParams (vLLM names, Hugging Face semantics) and its caps
     outputs.py           RequestOutput, CompletionOutput: what a request gives back
     sequence.py          the records every layer shares: SequenceStatus, SequenceData, EncoderSequence

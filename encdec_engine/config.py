@@ -6,14 +6,17 @@ from dataclasses import dataclass
 
 import torch
 
+from encdec_engine.compute_types import fold_compute_type
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 @dataclass
 class EngineConfig:
     model: str  # checkpoint folder (or hub id when online)
     tokenizer: str | None = None  # defaults to the model folder
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)
+    # auto | float32 | bfloat16 | float16 | fastest (auto: float32 on CPU, bfloat16 on CUDA; fastest: on the CPU
+    # bfloat16 where native and faster here, else float32, resolved by the engine at start)
+    dtype: str = "auto"
+    compute_type: str | None = None  # faster-whisper's spelling of quantization + dtype (COMPUTE_TYPES)
     device: str = "auto"  # auto | cpu | cuda[:N]
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # KV pool size in blocks; default: kv_cache_space_gb, or profiled on CUDA
@@ -41,8 +44,11 @@ class EngineConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("auto", "fastest") and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto', 'fastest' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.compute_type is not None:
+            self.quantization, self.dtype = fold_compute_type(self.compute_type, self.quantization, self.dtype)
+            self.compute_type = None
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -72,7 +78,7 @@ class EngineConfig:
         if self.quantization == "int8" and self.torch_device.type != "cpu":
             raise ValueError("quantization='int8' runs on torch's CPU int8 kernels; use device='cpu' "
                              f"(got device {self.device!r})")
-        if self.quantization == "int8" and self.torch_dtype != torch.float32:
+        if self.quantization == "int8" and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization='int8' computes in float32 (the int8 kernels take fp32 activations); "
                              f"dtype={self.dtype!r} is not supported with it")
         if self.kv_cache_dtype not in ("auto", "int8"):
@@ -88,6 +94,8 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        if self.dtype == "fastest":
+            raise ValueError("dtype='fastest' is resolved by the engine for this machine (LLMEngine)")
         return _DTYPES[self.dtype]
 
     @property

@@ -12,7 +12,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "encdec_engine"
 LEVELS = {
-    "sequence": 0, "sampling_params": 0, "outputs": 0, "config": 0, "cache": 0, "files": 0, "probes": 0,
+    "sequence": 0, "sampling_params": 0, "compute_types": 0, "outputs": 0, "config": 0, "cache": 0, "files": 0, "probes": 0,
     "layers": 1,
     "quantization": 2,
     "attention": 3, "checkpoints": 3, "machine": 3,

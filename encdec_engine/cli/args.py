@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from encdec_engine.checkpoints.names import first_import, resolve
+from encdec_engine.compute_types import COMPUTE_TYPES, fold_compute_type
 
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 
@@ -174,8 +175,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = None
     """The model and the EngineConfig options every command takes (see engine_kwargs)."""
     add_model_args(p, default_model)
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache type; auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "fastest"],
+                   help="weights and activations type; auto: float32 on CPU, bfloat16 on CUDA; fastest: on the CPU "
+                        "bfloat16 where it is native and faster here, else float32")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads; 0: $OMP_NUM_THREADS when set, else the cores this process may use")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -187,30 +189,22 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = None
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode eagerly, without CUDA graphs")
     p.add_argument("--quantization", choices=["int8"], default=None,
                    help="CPU: int8 weights with per-channel scales for every linear")
-    p.add_argument("--compute-type", default=None,
-                   help="faster-whisper's spelling: int8 (or int8_float32) = --quantization int8, float32")
+    p.add_argument("--compute-type", default=None, metavar="{" + ",".join(COMPUTE_TYPES) + "}",
+                   help="faster-whisper's spelling: int8 (or int8_float32) = --quantization int8; float32, bfloat16; "
+                        "auto = --dtype fastest (int8 is asked for by name)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="int8: KV cache rows quantized with per-group scales (about 4x the tokens of fp32)")
 
 
-# faster-whisper's --compute_type values the engine runs, as (quantization, dtype)
-_COMPUTE_TYPES = {"int8": ("int8", "float32"), "int8_float32": ("int8", "float32"), "float32": (None, "float32"),
-                  "default": (None, None), "auto": (None, None)}
-
-
 def _quantization_and_dtype(args: argparse.Namespace) -> tuple[str | None, str]:
     """--quantization/--dtype with faster-whisper's --compute-type folded in (contradictions refused)."""
-    quantization, dtype = args.quantization, args.dtype
-    if args.compute_type is not None:
-        if args.compute_type not in _COMPUTE_TYPES:
-            raise ValueError(f"--compute-type {args.compute_type}: the engine runs {', '.join(_COMPUTE_TYPES)}; "
-                             "half precision is --dtype bfloat16/float16")
-        quantization_ct, dtype_ct = _COMPUTE_TYPES[args.compute_type]
-        if quantization and quantization_ct != quantization:
-            raise ValueError(f"--compute-type {args.compute_type} contradicts --quantization {quantization}")
-        quantization = quantization or quantization_ct
-        dtype = dtype_ct if dtype_ct and dtype == "auto" else dtype
-    return quantization, dtype
+    if args.compute_type is None:
+        return args.quantization, args.dtype
+    try:
+        return fold_compute_type(args.compute_type, args.quantization, args.dtype)
+    except ValueError as e:
+        raise ValueError("--" + str(e).replace("compute_type", "compute-type", 1).replace(" quantization ", " --quantization ")
+                         .replace(" dtype ", " --dtype ")) from None
 
 
 def check_engine_args(args: argparse.Namespace) -> None:

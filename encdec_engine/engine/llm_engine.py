@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +27,7 @@ from encdec_engine.worker.cache_engine import CacheEngine, bytes_per_block
 from encdec_engine.worker.cuda_graphs import graph_batch_sizes
 from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool, weight_bytes
 from encdec_engine.worker.model_runner import ModelRunner
+from encdec_engine.machine.cpu_kernels import fastest_dtype
 from encdec_engine.machine.host_memory import keep_freed_memory
 from encdec_engine.machine.threads import CoreShare, configure_threads, fits_threads
 
@@ -46,8 +47,10 @@ class ProcessedRequest:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.threads = configure_threads(config.threads)  # before any heavy work: loading packs weights too
+        if config.dtype == "fastest":  # this machine's fastest floating type, calibrated at the thread count
+            config = replace(config, dtype=fastest_dtype() if config.torch_device.type == "cpu" else "auto")
+        self.config = config
         self.core_share: CoreShare | None = None  # the default count fitted to the cores others leave free
         if config.torch_device.type == "cpu":
             keep_freed_memory()  # big step tensors reuse freed memory instead of faulting in fresh pages

@@ -48,7 +48,7 @@ from torch import nn
 from encdec_engine.cache import cache_root
 from encdec_engine.quantization.int8_weights import (Int8Weight, RowScaledInt8Weight, fbgemm_available, int_mm_is_exact,
                                                      is_float_cpu, quantize_linears)
-from encdec_engine.layers.linear import PackedWeight, onednn_packing_available, pack_linears, packs
+from encdec_engine.layers.linear import PackedWeight, bf16_native, onednn_packing_available, pack_linears, packs
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,14 @@ def choose_fp32(capability: str, onednn: bool, timings: dict[str, float]) -> str
         return "mkl"
     default, other = ("onednn", "mkl") if is_avx512(capability) else ("mkl", "onednn")
     return _pick(default, other, timings, [p[0] for p in PROBES])
+
+
+def choose_dtype(bf16_native: bool, timings: dict[str, float]) -> str:
+    """"bfloat16" or "float32" for dtype="fastest": bf16 only where the CPU multiplies it natively and the
+    calibration finds it `MARGIN` faster than this machine's fp32 kernel over the probes."""
+    if not bf16_native:
+        return "float32"
+    return "bfloat16" if _pick("fp32", "bf16", timings, [p[0] for p in PROBES]) == "bf16" else "float32"
 
 
 def choose_int8_decode(capability: str, timings: dict[str, float]) -> str:
@@ -258,6 +266,28 @@ def machine_plan(int8: bool) -> CpuLinearPlan:
         plan = CpuLinearPlan(capability, kernel, None, timings, source)
     logger.info("%s", plan.describe())
     return plan
+
+
+def _bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A bf16 model's linear as calibrated: the weight packed in bf16, the probe's input rounded to bf16."""
+    packed = PackedWeight(weight.bfloat16(), None if bias is None else bias.bfloat16())
+    return lambda x: packed(x.bfloat16())
+
+
+@functools.cache
+def fastest_dtype() -> str:
+    """The floating type the CPU runs fastest here, for dtype="fastest" ("bfloat16" or "float32"; see
+    `choose_dtype`); calibrated once per machine, logged once per process."""
+    native = bf16_native()
+    timings: dict[str, float] = {}
+    if native:
+        fp32 = PackedWeight if machine_plan(int8=False).fp32 == "onednn" else _plain
+        timings, _ = calibrate_once({"fp32": fp32, "bf16": _bf16})
+    dtype = choose_dtype(native, timings)
+    probes = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in timings.items())
+    logger.info("dtype='fastest': %s (%s)", dtype, f"calibrated: {probes}" if native
+                else "no native bf16 on this CPU: bf16 would be emulated")
+    return dtype
 
 
 def prepare_cpu_linears(model: nn.Module, quantization: str | None) -> CpuLinearPlan | None:

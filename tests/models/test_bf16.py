@@ -107,3 +107,55 @@ def test_text_family_bf16_against_hf_bfloat16(arch, text_model, make_llm):
         hf_gaps += fp32_gaps(fp32, encoder, decoder, hf_greedy(bf16, encoder, decoder, len(tokens)))
     assert sum(g == 0 for g in engine_gaps) >= sum(g == 0 for g in hf_gaps) - 4
     assert sum(engine_gaps) <= 1.25 * sum(hf_gaps) + 1.0
+
+
+def probe_timings(fp32: float, bf16: float) -> dict[str, float]:
+    return {f"{kernel}/{probe}": seconds for kernel, seconds in (("fp32", fp32), ("bf16", bf16))
+            for probe in ("decode", "batch", "vocab")}
+
+
+def test_fastest_type_is_bf16_only_where_native_and_faster():
+    from encdec_engine.machine.cpu_kernels import choose_dtype
+
+    assert choose_dtype(False, probe_timings(fp32=1.0, bf16=0.1)) == "float32"  # AVX2: emulated, never
+    assert choose_dtype(True, probe_timings(fp32=1.0, bf16=0.4)) == "bfloat16"  # AMX: measured 2-7x
+    assert choose_dtype(True, probe_timings(fp32=1.0, bf16=0.95)) == "float32"  # within the margin
+    assert choose_dtype(True, {}) == "float32"  # nothing timed
+
+
+def test_fastest_dtype_calibrates_only_where_bf16_is_native(monkeypatch):
+    from encdec_engine.machine import cpu_kernels
+
+    calibrated = []
+    monkeypatch.setattr(cpu_kernels, "calibrate_once", lambda kernels, *a, **k: calibrated.append(set(kernels))
+                        or (probe_timings(fp32=1.0, bf16=0.3), None))
+    for native, want in ((False, "float32"), (True, "bfloat16")):
+        cpu_kernels.fastest_dtype.cache_clear()
+        monkeypatch.setattr(cpu_kernels, "bf16_native", lambda: native)
+        assert cpu_kernels.fastest_dtype() == want
+    assert calibrated == [{"fp32", "bf16"}]
+    cpu_kernels.fastest_dtype.cache_clear()
+
+
+def test_compute_types_fold_into_quantization_and_dtype():
+    from encdec_engine.config import EngineConfig
+
+    folded = {ct: (c.quantization, c.dtype) for ct in ("int8", "float32", "bfloat16", "auto", "default")
+              for c in [EngineConfig(model="m", compute_type=ct)]}
+    assert folded == {"int8": ("int8", "float32"), "float32": (None, "float32"), "bfloat16": (None, "bfloat16"),
+                      "auto": (None, "fastest"), "default": (None, "auto")}
+    for bad, message in ((dict(compute_type="int16"), "compute_type int16: the engine runs"),
+                         (dict(compute_type="bfloat16", quantization="int8"), "contradicts quantization int8"),
+                         (dict(compute_type="auto", dtype="float32"), "contradicts dtype float32"),
+                         (dict(dtype="fastest", quantization="int8"), "quantization='int8' computes in float32")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(model="m", **bad)
+
+
+def test_compute_type_auto_runs_this_machines_fastest_type(make_llm):
+    from encdec_engine.machine.cpu_kernels import fastest_dtype
+
+    llm = make_llm(default_model_path(), compute_type="auto")
+    assert llm.engine.dtype == getattr(torch, fastest_dtype())
+    assert llm.engine.config.dtype == fastest_dtype()
+    assert llm.transcribe([AUDIO / "fox.wav"], timestamps=False)[0].text.strip()
