@@ -1,14 +1,23 @@
-"""Reading Hugging Face checkpoints (safetensors or .bin) into our modules."""
+"""Reading Hugging Face checkpoints (safetensors or .bin) into our modules.
+
+Tied weights follow transformers 5's `from_pretrained` (`PreTrainedModel.tie_weights`), not the config
+alone: a model states its tied pairs (none unless `tie_word_embeddings`), and a pair whose two tensors
+the checkpoint holds with different values stays untied, as HF leaves it (with a warning), so a
+checkpoint HF serves is served here with the same weights rather than refused.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from encdec_engine.checkpoints.json_files import read_json
+
+logger = logging.getLogger(__name__)
 
 
 def weight_files(folder: str | Path) -> list[Path]:
@@ -62,53 +71,111 @@ _FUSED = {
 }
 
 
+def resolve_ties(ties: Sequence[tuple[str, str]], held: dict[str, torch.Tensor],
+                 usually_apart: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """The tensor each name of `held` (checkpoint tensors) or of `ties` ends up with, tied names sharing
+    one tensor object, as transformers 5's `tie_weights(missing_keys=...)` decides at `from_pretrained`.
+
+    `ties` are the model's (target, source) pairs in HF's order. Per pair: both in the checkpoint and
+    equal, tied; both there and different, untied (HF warns); only one there, the other takes it (HF
+    swaps source and target); neither, a later pair's target of the same source gives it, else the
+    name stays missing (HF would leave it random; the loader refuses it). Targets `usually_apart` are
+    untied without a warning (T5's head: transformers 5 ties it on every T5 config, v1.1's included)."""
+    values = dict(held)
+    for i, (target, source) in enumerate(ties):
+        if target in values and source in values:
+            if values[target] is values[source]:
+                continue
+            if not _equal(values[target], values[source]):
+                log = logger.debug if target in usually_apart else logger.warning
+                log("config.json ties %s to %s (tie_word_embeddings), but the checkpoint holds them apart, "
+                    "with different values: loaded untied, as transformers does", target, source)
+                continue
+        elif target in values:
+            target, source = source, target
+        elif source not in values:
+            source = next((t for t, s in ties[i + 1 :] if s == source and t in values), None)
+            if source is None:
+                continue
+        values[target] = values[source]
+    return values
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """HF compares the two parameters once loaded, in the model's dtype: files of two dtypes, in the wider."""
+    if a.dtype != b.dtype:
+        dtype = torch.promote_types(a.dtype, b.dtype)
+        a, b = a.to(dtype), b.to(dtype)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def tied(values: dict[str, torch.Tensor], name: str, other: str) -> bool:
+    """Whether `resolve_ties` gave `name` and `other` one tensor: one module serves both."""
+    return values.get(name) is not None and values.get(name) is values.get(other)
+
+
 class WeightLoader:
     """Copies checkpoint tensors into a module's parameters and buffers, strictly.
 
     Every parameter must be loaded (bar `optional` ones) and every checkpoint
     tensor must land somewhere, so a wrong mapping fails loudly instead of
-    leaving random weights behind.
+    leaving random weights behind. Token embeddings and output heads may be
+    `hold`-en aside until every tensor is read: the model then learns which of
+    them are tied (`resolve_ties`), shares or separates its modules to match,
+    and loads them (`load_held`).
     """
 
     def __init__(self, module: nn.Module) -> None:
         self.targets = dict(module.named_parameters()) | dict(module.named_buffers())
         self.loaded: set[str] = set()
         self.shards: dict[str, set[int]] = {}
-        self.aliases: dict[str, str] = {}
         self.unexpected: list[str] = []
         self.ignored: set[str] = set()
-
-    def alias(self, name: str, target: str) -> None:
-        """Checkpoint tensor `name` holds the same weight as our `target` (tied weights)."""
-        self.aliases[name] = target
+        self.holding: set[str] = set()
+        self.held: dict[str, torch.Tensor] = {}
 
     def ignore(self, name: str) -> None:
         """Checkpoint tensor `name` is known and deliberately unused."""
         self.ignored.add(name)
 
+    def hold(self, *names: str) -> None:
+        """Keep checkpoint tensors `names` aside (in `held`) instead of loading them as they come."""
+        self.holding.update(names)
+
+    def load_held(self, module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+        """Load `resolve_ties`' tensors into `module` as now built: a module that serves two names (tied) is
+        a target under both and gets the same tensor twice; a name with no module of its own (a head that
+        is the embedding) is served by the one of the name it is tied to."""
+        self.targets = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers())
+        for name, tensor in values.items():
+            if name not in self.targets and name not in self.ignored and any(
+                    tensor is values[other] for other in values if other in self.targets):
+                continue
+            self._copy(name, tensor)
+
     def _target(self, name: str, shape: torch.Size) -> torch.Tensor | None:
         if name in self.ignored:
             return None
-        name = self.aliases.get(name, name)
         target = self.targets.get(name)
         if target is None:
             self.unexpected.append(name)
         return target
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.holding:
+            self.held[name] = tensor
+            return
+        self._copy(name, tensor)
+
+    def _copy(self, name: str, tensor: torch.Tensor) -> None:
         target = self._target(name, tensor.shape)
         if target is None:
             return
         if target.shape != tensor.shape:
             raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
-        key = self.aliases.get(name, name)
         with torch.no_grad():
-            # Tied weights saved twice must agree; different ones mean the config wrongly ties them.
-            if key in self.loaded and not torch.equal(target, tensor.to(target.dtype)):
-                raise ValueError(f"weight {name} differs from {key}, which the config ties it to "
-                                 "(tie_word_embeddings); the checkpoint's output head is untied")
             target.copy_(tensor)
-        self.loaded.add(key)
+        self.loaded.add(name)
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard: int, num_shards: int) -> None:
         """Load one of `num_shards` equal row blocks of a fused weight (e.g. q of qkv)."""

@@ -203,8 +203,8 @@ def _quantization_and_dtype(args: argparse.Namespace) -> tuple[str | None, str]:
     try:
         return fold_compute_type(args.compute_type, args.quantization, args.dtype)
     except ValueError as e:
-        raise ValueError("--" + str(e).replace("compute_type", "compute-type", 1).replace(" quantization ", " --quantization ")
-                         .replace(" dtype ", " --dtype ")) from None
+        flags = str(e).replace("compute_type", "compute-type", 1).replace(" quantization ", " --quantization ")
+        raise ValueError("--" + flags.replace(" dtype ", " --dtype ")) from None
 
 
 def check_engine_args(args: argparse.Namespace) -> None:

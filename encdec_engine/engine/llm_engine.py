@@ -93,7 +93,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.model, self.tokenizer, loaded.vocab_size, self.max_decoder_len, loaded.max_encoder_len,
             loaded.decoder_start_token_id, loaded.default_decoder_prompt, self.eos_token_id,
-            loaded.decoder_prompt_starts,
+            loaded.decoder_prompt_starts, loaded.encoder_vocab_size,
         )
         self.groups: dict[str, SequenceGroup] = {}
         self._undelivered: list[RequestOutput] = []  # outputs of requests an interrupted step ended

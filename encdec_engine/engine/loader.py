@@ -41,7 +41,8 @@ class LoadedModel:
     hf_config: PretrainedConfig
     generation_config: GenerationConfig
     backend: AttentionBackend
-    vocab_size: int
+    vocab_size: int  # the decoder's: its head's rows (Marian's decoder_vocab_size may be fewer than the encoder's)
+    encoder_vocab_size: int
     max_decoder_len: int
     max_encoder_len: int
     decoder_start_token_id: int | None
@@ -155,7 +156,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     stop = tuple(stop) if isinstance(stop, (list, tuple)) else (() if stop is None else (stop,))
     return LoadedModel(
         model=model, tokenizer=tokenizer, hf_config=hf_config, generation_config=generation_config,
-        backend=backend, vocab_size=hf_config.vocab_size, max_decoder_len=model.max_decoder_len,
+        backend=backend, vocab_size=getattr(model, "head_vocab_size", lambda c: c.vocab_size)(hf_config),
+        encoder_vocab_size=hf_config.vocab_size, max_decoder_len=model.max_decoder_len,
         max_encoder_len=model.max_encoder_len,
         decoder_start_token_id=(decoder_start_token_id(hf_config, generation_config) if model.is_encoder_decoder
                                 else None),

@@ -34,10 +34,12 @@ class ProcessedInputs:
 class InputProcessor:
     def __init__(self, model, tokenizer, vocab_size: int, max_decoder_len: int, max_encoder_len: int,
                  decoder_start_token_id: int | None, default_decoder_prompt: list[int] | None,
-                 eos_token_id: int | None, decoder_prompt_starts: tuple[int, ...] = ()) -> None:
+                 eos_token_id: int | None, decoder_prompt_starts: tuple[int, ...] = (),
+                 encoder_vocab_size: int | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size  # the decoder's (its head's): what decoder prompts and outputs draw from
+        self.encoder_vocab_size = encoder_vocab_size or vocab_size  # Marian may have two vocabularies
         self.max_decoder_len = max_decoder_len
         self.max_encoder_len = max_encoder_len
         self.decoder_start_token_id = decoder_start_token_id
@@ -83,7 +85,8 @@ class InputProcessor:
             return self._audio_encoder_sequence(prompt)
         if prompt.multi_modal_data:
             raise ValueError(f"this model takes text only, got multi_modal_data {sorted(prompt.multi_modal_data)}")
-        ids = self._tokens(prompt, "encoder prompt", add_special_tokens=True, drop_eos=False)
+        ids = self._tokens(prompt, "encoder prompt", add_special_tokens=True, drop_eos=False,
+                           vocab_size=self.encoder_vocab_size)
         ids = self._truncate(ids, params, "encoder prompt", self.max_encoder_len)
         return EncoderSequence(num_positions=self.model.encoder_num_positions(len(ids)), prompt_token_ids=ids,
                                prompt=prompt.text, cache_key=content_key(ids))
@@ -111,7 +114,9 @@ class InputProcessor:
                                cache_key=content_key(features))
 
     # -- helpers -------------------------------------------------------------
-    def _tokens(self, prompt: ParsedSingleton, what: str, add_special_tokens: bool, drop_eos: bool) -> list[int]:
+    def _tokens(self, prompt: ParsedSingleton, what: str, add_special_tokens: bool, drop_eos: bool,
+                vocab_size: int | None = None) -> list[int]:
+        vocab_size = vocab_size or self.vocab_size
         if prompt.kind == "tokens":
             ids = list(prompt.token_ids)
         else:
@@ -126,10 +131,10 @@ class InputProcessor:
                 ids = ids[:-1]
         if not ids:
             raise ValueError(f"{what} is empty")
-        bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+        bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"{what}: token id {bad[1]} at index {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+                             f"[0, {vocab_size})")
         return ids
 
     @staticmethod

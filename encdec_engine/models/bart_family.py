@@ -9,9 +9,9 @@
     embedding scale             sqrt(d_model) when config.scale_embedding (all four)
     final_logits_bias           yes       yes       yes             -
 
-Each model file states its `FamilySpec` and its default decoder prompt; the stack, the embeddings (shared
-or not, tied to the output head or not) and the weight names are here. Layers are `EncDecLayer`
-(models/encdec_layers.py), the attention and residual block Whisper uses too.
+Each model file states its `FamilySpec` and its default decoder prompt; the stack, the embeddings (tied
+as transformers 5 ties them: `FamilyModel.tied_weights`) and the weight names are here. Layers are
+`EncDecLayer` (models/encdec_layers.py), the attention and residual block Whisper uses too.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.metadata import AttentionMetadata
 from encdec_engine.checkpoints.generation_config import decoder_start_token_id
-from encdec_engine.checkpoints.weights import WeightLoader
+from encdec_engine.checkpoints.weights import WeightLoader, resolve_ties, tied
 from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.models.encdec_layers import EncDecLayer, decoder_kv_cache_spec
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
@@ -141,12 +141,20 @@ class FamilyStack(nn.Module):
         return hidden if self.layer_norm is None else self.layer_norm(hidden)
 
 
+# The checkpoint's token embeddings and output head (after "model."): held until their ties are known.
+_SHARED, _ENCODER, _DECODER, _HEAD = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+                                      "lm_head.weight")
+
+
 class FamilyModel(nn.Module):
     """A BART-family encoder/decoder; subclasses set `spec` (and `default_decoder_prompt`).
 
-    Embeddings: the encoder and decoder share one (`shared`) unless the config unties them (BART's
-    `tie_word_embeddings=False`, Marian's `share_encoder_decoder_embeddings=False`: its decoder then has
-    `decoder_vocab_size` rows); the output head is the decoder's embedding unless untied (`lm_head`)."""
+    Embeddings are tied as transformers 5 ties them (`tied_weights`): with `tie_word_embeddings`, the
+    encoder's and decoder's token embeddings and the output head are all `shared` (Marian without
+    `share_encoder_decoder_embeddings`: the head is the decoder's embedding, of `decoder_vocab_size`
+    rows); without it, or where the checkpoint holds a tied pair with different values, each its own.
+    The modules follow the config at construction and the checkpoint at load; `shared` itself is
+    never read (HF's forward does not read it either), only a source of the ties."""
 
     is_encoder_decoder = True
     spec: ClassVar[FamilySpec]
@@ -155,29 +163,44 @@ class FamilyModel(nn.Module):
         super().__init__()
         self.config = config
         self.vocab_projection = VocabProjection()
-        self.tie_head = getattr(config, "tie_word_embeddings", True)
-        self.share_embeddings = self.shares_embeddings(config)
-        vocab, target_vocab = config.vocab_size, self.target_vocab_size(config)
+        ties = dict(self.tied_weights(config))  # HF's sources are never targets: one step finds the source
 
-        def embedding(rows: int) -> nn.Embedding:
-            return nn.Embedding(rows, config.d_model)
+        def source(name: str) -> str:
+            return ties.get(name, name)
 
-        self.shared = embedding(vocab) if self.share_embeddings else None
-        self.encoder = FamilyStack(config, self.spec, backend, False, self.shared or embedding(vocab))
-        self.decoder = FamilyStack(config, self.spec, backend, True, self.shared or embedding(target_vocab))
-        self.lm_head = None if self.tie_head else nn.Linear(config.d_model, target_vocab, bias=False)
+        encoder_embed = self._embedding(config.vocab_size)
+        decoder_embed = encoder_embed if source(_DECODER) == source(_ENCODER) else \
+            self._embedding(self.decoder_vocab_size(config))
+        self.encoder = FamilyStack(config, self.spec, backend, False, encoder_embed)
+        self.decoder = FamilyStack(config, self.spec, backend, True, decoder_embed)
+        self.lm_head = None if source(_HEAD) == source(_DECODER) else self._head()
         if self.spec.final_logits_bias:
-            self.register_buffer("final_logits_bias", torch.zeros(target_vocab))
+            self.register_buffer("final_logits_bias", torch.zeros(self.head_vocab_size(config)))
         else:
             self.final_logits_bias = None
 
-    @staticmethod
-    def shares_embeddings(config) -> bool:
-        return getattr(config, "tie_word_embeddings", True)
+    @classmethod
+    def tied_weights(cls, config) -> list[tuple[str, str]]:
+        """transformers 5's tied (target, source) pairs, in its order: none without tie_word_embeddings."""
+        if not getattr(config, "tie_word_embeddings", True):
+            return []
+        return [(_HEAD, _SHARED), (_DECODER, _SHARED), (_ENCODER, _SHARED)]
 
     @staticmethod
-    def target_vocab_size(config) -> int:
+    def decoder_vocab_size(config) -> int:
+        """Rows of the decoder's own token embedding."""
         return config.vocab_size
+
+    @staticmethod
+    def head_vocab_size(config) -> int:
+        """Rows of an own output head (and of final_logits_bias)."""
+        return config.vocab_size
+
+    def _embedding(self, rows: int) -> nn.Embedding:
+        return nn.Embedding(rows, self.config.d_model)
+
+    def _head(self) -> nn.Linear:
+        return nn.Linear(self.config.d_model, self.head_vocab_size(self.config), bias=False)
 
     @property
     def max_decoder_len(self) -> int:
@@ -222,13 +245,8 @@ class FamilyModel(nn.Module):
         for stack in (self.encoder, self.decoder):
             stack.embed_positions.reset()
         loader = WeightLoader(self)
-        if self.share_embeddings:
-            for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
-                loader.alias(name, "shared.weight")
-        else:
-            loader.ignore("shared.weight")  # HF keeps it, but untied models never read it
-        if self.tie_head:
-            loader.alias("lm_head.weight", "shared.weight" if self.share_embeddings else "decoder.embed_tokens.weight")
+        loader.hold(_SHARED, _ENCODER, _DECODER, _HEAD)
+        loader.ignore(_SHARED)  # only a source of the ties
         if self.final_logits_bias is None:
             loader.ignore("final_logits_bias")
         computed = set()
@@ -239,4 +257,15 @@ class FamilyModel(nn.Module):
         for name, tensor in weights:
             name = name.removeprefix("model.")
             loader.load_attention(name, tensor.reshape(-1) if name == "final_logits_bias" else tensor)
+        values = resolve_ties(self.tied_weights(self.config), loader.held)
+        # Share or separate the modules as the checkpoint's tensors are tied, then load them.
+        if tied(values, _DECODER, _ENCODER):
+            self.decoder.embed_tokens = self.encoder.embed_tokens
+        elif self.decoder.embed_tokens is self.encoder.embed_tokens:
+            self.decoder.embed_tokens = self._embedding(self.decoder_vocab_size(self.config))
+        if tied(values, _HEAD, _DECODER):
+            self.lm_head = None
+        elif self.lm_head is None:
+            self.lm_head = self._head()
+        loader.load_held(self, values)
         loader.finish(optional={"final_logits_bias"} | computed)

@@ -1,7 +1,8 @@
 """GPT-2 (GPT2LMHeadModel): the decoder-only degenerate case of the engine.
 
 Pre-norm layers, learned absolute positions, fused q/k/v (HF already fuses
-them in `c_attn`) and an output projection tied to the token embeddings.
+them in `c_attn`) and an output projection tied to the token embeddings
+(as transformers 5 ties it: models/interface.py's `DecoderOnlyModel`).
 There is no encoder and no cross-attention: the metadata of a decoder-only
 batch simply has no encoder or cross view.
 
@@ -101,7 +102,7 @@ class GPT2LMHeadModel(DecoderOnlyModel, nn.Module):
         self.h = nn.ModuleList(GPT2Block(config, i, backend) for i in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(d, config.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else self.new_head()
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -123,8 +124,7 @@ class GPT2LMHeadModel(DecoderOnlyModel, nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
-        if self.tie_word_embeddings:
-            loader.alias("lm_head.weight", "wte.weight")  # v5 omits it when tied; older saves repeat it
+        loader.hold("wte.weight", "lm_head.weight")
         for name, tensor in weights:
             name = name.removeprefix("transformer.")
             if name.endswith(_MASK_BUFFERS):
@@ -132,4 +132,5 @@ class GPT2LMHeadModel(DecoderOnlyModel, nn.Module):
             if name.endswith(_CONV1D):
                 tensor = tensor.t()
             loader.load(name, tensor)
+        self.load_tied_head(loader)
         loader.finish()

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from encdec_engine.attention.metadata import AttentionMetadata
+from encdec_engine.checkpoints.weights import WeightLoader, resolve_ties, tied
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,24 @@ class DecoderOnlyModel:
     is_encoder_decoder = False
     max_encoder_len = 0
     token_embedding: str  # attribute name of the input embedding, the output head when `lm_head` is None (tied)
+    tie_word_embeddings: bool  # the config's: the head tied to the embedding (unless the checkpoint unties it)
 
     @property
     def max_decoder_len(self) -> int:
         return self.config.max_position_embeddings
+
+    def new_head(self) -> nn.Linear:
+        return nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+
+    def load_tied_head(self, loader: WeightLoader) -> None:
+        """Load the held token embedding and head (`loader.hold`), the head tied to the embedding as
+        transformers 5 ties it: under tie_word_embeddings, unless the checkpoint holds its own with
+        other values."""
+        embedding = f"{self.token_embedding}.weight"
+        ties = [("lm_head.weight", embedding)] if self.tie_word_embeddings else []
+        values = resolve_ties(ties, loader.held)
+        self.lm_head = None if tied(values, "lm_head.weight", embedding) else (self.lm_head or self.new_head())
+        loader.load_held(self, values)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
         if self.lm_head is None:  # tied to the input embedding

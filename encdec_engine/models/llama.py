@@ -119,8 +119,7 @@ class LlamaForCausalLM(DecoderOnlyModel, nn.Module):
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                       bias=False)
+        self.lm_head = None if self.tie_word_embeddings else self.new_head()
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -142,8 +141,7 @@ class LlamaForCausalLM(DecoderOnlyModel, nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
-        if self.tie_word_embeddings:
-            loader.alias("lm_head.weight", "embed_tokens.weight")
+        loader.hold("embed_tokens.weight", "lm_head.weight")
         attn = self.layers[0].self_attn
         groups = attn.num_heads // attn.num_kv_heads
         for name, tensor in weights:
@@ -162,4 +160,5 @@ class LlamaForCausalLM(DecoderOnlyModel, nn.Module):
                 loader.load_shard(name.replace(".up_proj.", ".gate_up_proj."), tensor, 1, 2)
             else:
                 loader.load(name, tensor)
+        self.load_tied_head(loader)
         loader.finish()

@@ -5,9 +5,13 @@ without scaling, heads of `d_kv` values (not d_model / heads), a ReLU (t5 v1.0) 
 Flan, mT5) feed-forward. Positions enter only as a relative position bias: each stack's first layer
 owns an embedding of buckets x heads, bidirectional in the encoder and causal in the decoder, built
 once per stack and step (attention/position_bias.py) and added inside every self-attention of the
-stack, prefill and paged decode alike; cross-attention has none (as in HF). The output head is the
-shared embedding, with the decoder output scaled by d_model**-0.5 first (t5; HF's
-`scale_decoder_outputs`), or a separate `lm_head` when the checkpoint has one (v1.1, Flan, mT5).
+stack, prefill and paged decode alike; cross-attention has none (as in HF).
+
+Embeddings as transformers 5 ties them: its config forces `tie_word_embeddings`, so the encoder's and
+decoder's token embeddings and the head are `shared`, each untied where the checkpoint holds its own
+with other values (the head of v1.1, Flan, mT5). A saved `tie_word_embeddings: false` only means no
+scaling: t5 scales the decoder output by d_model**-0.5 before the head when `scale_decoder_outputs`
+(what transformers 5 makes of `tie_word_embeddings`), mT5 never. `tie_encoder_decoder` ties nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.attention.position_bias import PositionBias, t5_bucket_index, t5_position_bias
 from encdec_engine.checkpoints.generation_config import decoder_start_token_id
-from encdec_engine.checkpoints.weights import WeightLoader
+from encdec_engine.checkpoints.weights import WeightLoader, resolve_ties, tied
 from encdec_engine.layers.activation import ActivatedLinear, get_activation
 from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.layers.norms import RMSNorm
@@ -30,6 +34,9 @@ from encdec_engine.models.encdec_layers import EncDecAttention
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
 
 _DEFAULT_MAX_POSITIONS = 512  # T5 has no position table; the engine still bounds its sequences
+# The checkpoint's token embeddings and output head: held until their ties are known.
+_SHARED, _ENCODER, _DECODER, _HEAD = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+                                      "lm_head.weight")
 
 
 class T5FeedForward(nn.Module):
@@ -141,15 +148,21 @@ class T5ForConditionalGeneration(nn.Module):
         super().__init__()
         self.config = config
         self.vocab_projection = VocabProjection()
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
-        self.encoder = T5Stack(config, backend, False, self.shared)
-        self.decoder = T5Stack(config, backend, True, self.shared)
-        self.lm_head: nn.Linear | None = None  # set at load when the checkpoint's head is its own
-        # HF (transformers 5): t5 scales the decoder output before a tied head when `scale_decoder_outputs`
+        shared = nn.Embedding(config.vocab_size, config.d_model)  # a v5 save: everything tied (load_weights)
+        self.encoder = T5Stack(config, backend, False, shared)
+        self.decoder = T5Stack(config, backend, True, shared)
+        self.lm_head: nn.Linear | None = None  # None: the decoder's embedding
+        # HF (transformers 5): t5 scales the decoder output before the head when `scale_decoder_outputs`
         # (what `tie_word_embeddings` meant before); mT5 never does.
         default = getattr(config, "tie_word_embeddings", True)
         self.scale_output = config.model_type == "t5" and getattr(config, "scale_decoder_outputs", default)
         self.output_scale = config.d_model**-0.5
+
+    def tied_weights(self) -> list[tuple[str, str]]:
+        """transformers 5's tied (target, source) pairs, in its order."""
+        if not getattr(self.config, "tie_word_embeddings", True):
+            return []
+        return [(_ENCODER, _SHARED), (_DECODER, _SHARED), (_HEAD, _SHARED)]
 
     @property
     def max_decoder_len(self) -> int:
@@ -188,32 +201,28 @@ class T5ForConditionalGeneration(nn.Module):
         if self.scale_output:
             hidden = hidden * self.output_scale
         if self.lm_head is None:
-            return self.vocab_projection(hidden, self.shared.weight)
+            return self.vocab_projection(hidden, self.decoder.embed_tokens.weight)
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for stack in (self.encoder, self.decoder):
             stack.reset()
         loader = WeightLoader(self)
-        for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
-            loader.alias(name, "shared.weight")
+        loader.hold(_SHARED, _ENCODER, _DECODER, _HEAD)
+        loader.ignore(_SHARED)  # only a source of the ties
         loader.ignore("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight")  # as HF does
-        head = None
         for name, tensor in weights:
-            if name == "lm_head.weight":
-                head = tensor  # tied or its own: decided once the shared embedding is loaded
-                continue
             name = hf_to_ours(name)
             if ".ffn.wi_" in name:  # gated: wi_0 (the gate) and wi_1 fused into wi
                 shard = int(name.split(".ffn.wi_")[1][0])
                 loader.load_shard(name.replace(f".ffn.wi_{shard}.", ".ffn.wi."), tensor, shard, 2)
             else:
                 loader.load_attention(name, tensor)
+        values = resolve_ties(self.tied_weights(), loader.held, usually_apart={_HEAD})  # v1.1, Flan, mT5
+        # Share or separate the modules as the checkpoint's tensors are tied, then load them.
+        if not tied(values, _DECODER, _ENCODER):
+            self.decoder.embed_tokens = nn.Embedding(self.config.vocab_size, self.config.d_model)
+        self.lm_head = None if tied(values, _HEAD, _DECODER) else \
+            nn.Linear(self.config.d_model, self.config.vocab_size, bias=False)
+        loader.load_held(self, values)
         loader.finish(optional={"encoder.bucket_index", "decoder.bucket_index"})
-        if head is not None and not torch.equal(head.to(self.shared.weight.dtype), self.shared.weight):
-            self.lm_head = nn.Linear(self.config.d_model, self.config.vocab_size, bias=False)
-            if head.shape != self.lm_head.weight.shape:
-                raise ValueError(f"weight lm_head.weight: checkpoint shape {tuple(head.shape)} != model "
-                                 f"{tuple(self.lm_head.weight.shape)}")
-            with torch.no_grad():
-                self.lm_head.weight.copy_(head)

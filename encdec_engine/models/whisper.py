@@ -4,7 +4,8 @@ Encoder: two 1-D convolutions (the second with stride 2, so 3000 mel frames
 become 1500 positions) + fixed positional embeddings, then pre-norm layers.
 Decoder: token + learned positional embeddings, pre-norm layers with
 cross-attention, output projection tied to the token embeddings (untied when
-the config says so). As in HF, queries are scaled before attention (k has no
+the config says so, or the checkpoint holds its own with other values, as in
+transformers 5). As in HF, queries are scaled before attention (k has no
 bias), which keeps rounding identical to `generate`.
 """
 
@@ -22,7 +23,9 @@ from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.models.encdec_layers import EncDecLayer, decoder_kv_cache_spec
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
 from encdec_engine.checkpoints.whisper.tokens import WhisperTokens
-from encdec_engine.checkpoints.weights import WeightLoader
+from encdec_engine.checkpoints.weights import WeightLoader, resolve_ties, tied
+
+_EMBEDDING, _HEAD = "decoder.embed_tokens.weight", "proj_out.weight"  # held until their tie is known
 
 
 class WhisperEncoder(nn.Module):
@@ -69,9 +72,10 @@ class WhisperForConditionalGeneration(nn.Module):
         self.vocab_projection = VocabProjection()
         self.encoder = WhisperEncoder(config, backend)
         self.decoder = WhisperDecoder(config, backend)
-        # HF ties proj_out to the token embedding unless the config says otherwise.
+        # HF ties proj_out to the token embedding under tie_word_embeddings, unless the checkpoint holds its
+        # own with other values (load_weights).
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
-        self.proj_out = None if self.tie_word_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.proj_out = None if self.tie_word_embeddings else self._proj_out()
 
     @property
     def num_mel_bins(self) -> int:
@@ -115,11 +119,16 @@ class WhisperForConditionalGeneration(nn.Module):
             return self.vocab_projection(hidden, self.decoder.embed_tokens.weight)
         return self.proj_out(hidden)
 
+    def _proj_out(self) -> nn.Linear:
+        return nn.Linear(self.config.d_model, self.config.vocab_size, bias=False)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
-        if self.tie_word_embeddings:
-            loader.alias("proj_out.weight", "decoder.embed_tokens.weight")
+        loader.hold(_EMBEDDING, _HEAD)
         for name, tensor in weights:
             loader.load_attention(name.removeprefix("model."), tensor)
+        values = resolve_ties([(_HEAD, _EMBEDDING)] if self.tie_word_embeddings else [], loader.held)
+        self.proj_out = None if tied(values, _HEAD, _EMBEDDING) else (self.proj_out or self._proj_out())
+        loader.load_held(self, values)
         loader.zero_missing_bias_shards()
         loader.finish()

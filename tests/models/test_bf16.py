@@ -97,7 +97,8 @@ def test_text_family_bf16_against_hf_bfloat16(arch, text_model, make_llm):
     fp32 = AutoModelForSeq2SeqLM.from_pretrained(path).eval()
     engine_gaps, hf_gaps = [], []
     for i, out in enumerate(outs):
-        encoder, decoder, tokens = out.encoder_prompt_token_ids, list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+        encoder, decoder = out.encoder_prompt_token_ids, list(out.prompt_token_ids)
+        tokens = list(out.outputs[0].token_ids)
         if arch == "t5":
             with torch.no_grad():
                 logits = bf16(input_ids=torch.tensor([encoder]),
