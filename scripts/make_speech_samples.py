@@ -3,7 +3,9 @@
 
 Writes short 16 kHz mono 16-bit WAV clips (several voices and speeds), one stereo
 44.1 kHz clip (exercises resampling and downmixing), one ~70 s FLAC clip for
-long-form tests, and ``transcripts.json`` mapping file name -> spoken text.
+long-form tests, and ``transcripts.json`` mapping file name -> spoken text; and
+in ``multilingual/`` one short clip in each of seven other languages, with its
+own ``transcripts.json``.
 espeak-ng and the resampler are deterministic, so reruns give identical files.
 
 Usage: python scripts/make_speech_samples.py [--out prompts/audio]
@@ -63,6 +65,21 @@ CLIPS = (
     Clip("long_meeting.flac", LONG_TEXT, speed=135),
 )
 
+# Other languages, written to <out>/multilingual/ and named by language code, for the checks on real
+# multilingual weights (tests/speech/test_multilingual_real.py, Whisper base). Voices and speeds are the
+# ones, of espeak-ng's variants tried, that base hears as the language spoken, Russian excepted (base
+# detects Polish in every Russian variant tried).
+MULTILINGUAL = (
+    Clip("de.wav", "Das Wetter ist heute sehr schön, und wir gehen am Nachmittag in den Park.", voice="de+m3",
+         speed=130),
+    Clip("fr.wav", "Je voudrais une tasse de café avec du lait, s'il vous plaît.", voice="fr+f2", speed=130),
+    Clip("es.wav", "Mañana vamos a visitar a mis abuelos en el pueblo.", voice="es", speed=140),
+    Clip("it.wav", "La cena è pronta, venite a tavola prima che si raffreddi.", voice="it+f2", speed=130),
+    Clip("pt.wav", "O trem para São Paulo sai da estação às nove horas.", voice="pt-br+m3", speed=110),
+    Clip("ja.wav", "きょうはとてもいいてんきですね。", voice="ja+f2", speed=130),
+    Clip("ru.wav", "Завтра утром мы поедем на поезде в Москву.", voice="ru+m3", speed=120),
+)
+
 
 def synthesize(clip: Clip, workdir: Path) -> np.ndarray:
     """Speak ``clip.text`` with espeak-ng; returns float32 ``[num_samples]`` at ESPEAK_RATE."""
@@ -94,15 +111,17 @@ def main() -> None:
     if shutil.which("espeak-ng") is None:
         raise SystemExit("espeak-ng is not installed (apt-get install espeak-ng)")
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        for clip in CLIPS:
-            seconds = render(clip, args.out, Path(tmp))
-            print(f"{clip.name:28s} {seconds:5.1f} s  {clip.rate} Hz  {'stereo' if clip.stereo else 'mono'}")
-    transcripts = {clip.name: clip.text for clip in CLIPS}
-    (args.out / "transcripts.json").write_text(json.dumps(transcripts, indent=2) + "\n", encoding="utf-8")
-    total = sum(p.stat().st_size for p in args.out.iterdir())
-    print(f"wrote {len(CLIPS)} clips + transcripts.json to {args.out} ({total / 1e6:.2f} MB)")
+    for clips, out in ((CLIPS, args.out), (MULTILINGUAL, args.out / "multilingual")):
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            for clip in clips:
+                seconds = render(clip, out, Path(tmp))
+                print(f"{clip.name:28s} {seconds:5.1f} s  {clip.rate} Hz  {'stereo' if clip.stereo else 'mono'}")
+        transcripts = {clip.name: clip.text for clip in clips}
+        (out / "transcripts.json").write_text(json.dumps(transcripts, indent=2, ensure_ascii=False) + "\n",
+                                              encoding="utf-8")
+        total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+        print(f"wrote {len(clips)} clips + transcripts.json to {out} ({total / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":

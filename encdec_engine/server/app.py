@@ -133,8 +133,11 @@ def _install_swagger_ui(app: FastAPI) -> None:
     fetches its scripts from a CDN)."""
     app.mount(routes.DOCS_STATIC, StaticFiles(directory=swagger_ui_path), name="swagger-ui")
 
+    # The endpoint reads its app from the request, never by closure: FastAPI keeps endpoint functions in a
+    # module-level cache, and a closure over `app` would keep every app built in the process (its engine too).
     @app.get(routes.DOCS, include_in_schema=False)
-    async def swagger_ui() -> HTMLResponse:
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        app = request.app
         return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - Swagger UI",
                                    oauth2_redirect_url=routes.DOCS_OAUTH2_REDIRECT,
                                    swagger_js_url=f"{routes.DOCS_STATIC}/swagger-ui-bundle.js",

@@ -44,3 +44,20 @@ def test_no_server_module_writes_a_path_of_its_own():
                     and (node.value in PATHS or node.value.startswith(routes.API_PREFIX + "/"))):
                 found.append(f"{path.name}:{node.lineno} {node.value!r}")
     assert not found, "\n".join(found)
+
+
+def test_an_app_dropped_frees_its_engine(tmp_path):
+    """No route holds its app by closure: FastAPI caches endpoint functions for the process, and /docs'
+    closure over `app` kept every app built (and its engine: weights and KV pool) alive."""
+    import gc
+    import weakref
+
+    from fastapi.testclient import TestClient
+
+    app = build_app(str(make_bart(tmp_path / "bart")), num_kv_blocks=16)
+    with TestClient(app, base_url="http://localhost") as client:
+        assert client.get(routes.DOCS).status_code == 200
+    engine = weakref.ref(app.state.server.engine.engine)
+    del app, client
+    gc.collect()
+    assert engine() is None
