@@ -7,7 +7,8 @@ fresh process on long_meeting (69 s; with `--long-minutes N` also bench_whisper.
 about N minutes), sequential long-form, greedy, 2 threads, timed from spawn to exit, the systems
 taking turns for `--rounds` rounds (best and median kept):
 
-    encdec transcribe FILE [--quantization int8] -o DIR --output-format txt
+    encdec transcribe FILE [--quantization int8 | --compute-type auto] -o DIR --output-format txt
+                    (auto: the machine's fastest floating type, bf16 where native and faster)
     faster-whisper: the few lines a user writes (WhisperModel(...).transcribe, beam_size=1,
                     the text written to a file), fp32 and int8, in its own venv
     whisper.cpp:    the same through pywhispercpp with the ggml f16 file (optional)
@@ -92,7 +93,8 @@ def commands(args, audio: Path, out: Path) -> dict[str, tuple[list[str], Path]]:
                 folder / f"{audio.stem}.txt")
 
     rows = {"encdec transcribe (fp32)": engine("fp32"),
-            "encdec transcribe --quantization int8": engine("int8", "--quantization", "int8")}
+            "encdec transcribe --quantization int8": engine("int8", "--quantization", "int8"),
+            "encdec transcribe --compute-type auto": engine("auto", "--compute-type", "auto")}
     if args.fw_python:
         for compute in ("float32", "int8"):
             file = out / f"fw-{compute}.txt"

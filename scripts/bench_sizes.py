@@ -251,6 +251,18 @@ def report(size: str, results: dict[str, dict], args) -> None:
             fastest = min(cpp, key=lambda x: x["e2e_b1_s"])
             print(f"{name} vs whisper.cpp's fastest file: e2e b1 {fastest['e2e_b1_s'] / r['e2e_b1_s']:.2f}x, "
                   f"e2e b8 {fastest['e2e_b1_s'] * BATCH / r[f'e2e_b{BATCH}_s']:.2f}x")
+    fp32, bf16 = results.get("engine fp32"), results.get("engine bf16")
+    if fp32 and bf16:
+        print(f"engine bf16 over fp32: e2e b1 {fp32['e2e_b1_s'] / bf16['e2e_b1_s']:.2f}x, e2e b8 "
+              f"{fp32[f'e2e_b{BATCH}_s'] / bf16[f'e2e_b{BATCH}_s']:.2f}x")
+    for batch in (1, BATCH):
+        column = f"e2e_b{batch}_s"
+        engines = {n: r[column] for n, r in results.items() if n.startswith("engine") and column in r}
+        peers = {n: r[column] for n, r in results.items() if n.startswith("CTranslate2") and column in r}
+        if engines and peers:
+            (engine, mine), (peer, theirs) = min(engines.items(), key=lambda x: x[1]), min(peers.items(),
+                                                                                          key=lambda x: x[1])
+            print(f"fastest at batch {batch}: {engine} {mine:.2f} s against {peer} {theirs:.2f} s: {theirs / mine:.2f}x")
     fp32, int8 = results.get("engine fp32"), results.get("engine int8")
     if fp32 and int8:
         same = sum(a == b for a, b in zip(fp32["tokens"][0], int8["tokens"][0]))

@@ -22,6 +22,10 @@ kernels without timing them again; `ENCDEC_RECALIBRATE=1` times them anew (and k
            the calibration does not find the fp32 kernel `MARGIN` faster on a 256-row batch
            through such a layer; fp32 otherwise (`ENCDEC_INT8_OUTLIERS=rows|fp32` pins one).
 
+    bf16   a bf16 model's linears always on oneDNN's packed bf16 where the CPU multiplies bf16
+           natively (AVX-512 BF16, AMX); `fastest_dtype` (dtype="fastest", compute_type="auto") times
+           them against the fp32 kernel on the same probes and takes bf16 only `MARGIN` faster.
+
 The choice is logged once per process. `choose_fp32` and `choose_int8_decode` are pure, so a
 test can give them any capability and timings.
 """
