@@ -29,7 +29,7 @@ from encdec_engine.worker.kv_sizing import profile_forward, size_kv_pool, weight
 from encdec_engine.worker.model_runner import ModelRunner
 from encdec_engine.machine.cpu_kernels import fastest_dtype
 from encdec_engine.machine.host_memory import keep_freed_memory
-from encdec_engine.machine.threads import CoreShare, configure_threads, fits_threads
+from encdec_engine.machine.threads import CoreShare, configure_threads, fits_threads, keep_threads
 
 logger = logging.getLogger(__name__)
 _GiB = 1 << 30
@@ -247,8 +247,8 @@ class LLMEngine:
         later request. Such an interrupt fails the step's requests too (their KV is incomplete) and
         propagates; their outputs come with the next step."""
         outputs, self._undelivered = self._undelivered, []
-        if self.core_share is not None:
-            self.core_share.update()
+        if self.device.type == "cpu":  # the count fitted to the free cores, kept whatever else set it
+            keep_threads(self.core_share.update() if self.core_share is not None else self.threads)
         # Hashes still pending belong to a step that never reached commit or rollback: never keep them.
         self.block_manager.rollback_step()
         try:

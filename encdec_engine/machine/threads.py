@@ -57,6 +57,24 @@ def configure_threads(threads: int | None) -> int:
     return threads
 
 
+_overridden: set[int] = set()  # the counts found set by others, each warned about once
+
+
+def keep_threads(threads: int) -> None:
+    """Put torch's intra-op threads back to the engine's `threads` if something else in the process changed
+    them: the count is process-wide, and a library that sets it (importing silero_vad sets 1) slowed the
+    engine and changed its int8 outputs (a different split of its work). Called before each step: a
+    getter call when nothing changed."""
+    found = torch.get_num_threads()
+    if found == threads:
+        return
+    if found not in _overridden:
+        _overridden.add(found)
+        logger.warning("torch's CPU threads were set to %d by something else in this process (importing "
+                       "silero_vad sets 1); the engine keeps its %d", found, threads)
+    torch.set_num_threads(threads)
+
+
 def fits_threads(threads: int | None) -> bool:
     """Whether the engine fits its thread count to the free cores (`CoreShare`): for the default count only,
     unless $ENCDEC_FIT_THREADS=0."""

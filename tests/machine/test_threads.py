@@ -146,3 +146,32 @@ def test_the_busy_time_of_this_process_cores_is_read_from_proc_stat():
     assert _busy_seconds(cores) - before >= 0.2
     share = CoreShare.here(2)
     assert share is None or share.threads == 2
+
+
+def test_a_count_another_library_set_is_put_back_before_each_step(tmp_path, make_llm, caplog, monkeypatch):
+    """Importing silero_vad sets torch's threads to 1 for the whole process: the engine then ran on one
+    core and its int8 outputs changed (a different split of the work). Each step puts its own count back
+    and says so once."""
+    import torch
+
+    from encdec_engine import SamplingParams
+    from encdec_engine.machine import threads
+
+    monkeypatch.setattr(threads, "_overridden", set())  # nothing warned about yet in this process
+    llm = make_llm(make_whisper(tmp_path / "whisper"), threads=2, quantization="int8")
+    samples = [0.01 * (i % 7) for i in range(16000)]
+    audio = {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (samples, 16000)}},
+             "decoder_prompt": {"prompt_token_ids": [50257, 50362]}}
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    before = llm.generate([audio], params, use_tqdm=False)[0].outputs[0].token_ids
+    try:
+        with caplog.at_level(logging.WARNING, logger="encdec_engine.machine.threads"):
+            for _ in range(2):
+                torch.set_num_threads(1)  # what `import silero_vad` does
+                after = llm.generate([audio], params, use_tqdm=False)[0].outputs[0].token_ids
+                assert torch.get_num_threads() == 2 and after == before
+    finally:
+        torch.set_num_threads(llm.engine.threads)
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch's CPU threads were set to 1 by something else in this process (importing silero_vad sets 1); "
+        "the engine keeps its 2"]
