@@ -229,7 +229,8 @@ class TorchSDPABackend:
             # (EngineConfig.torch_kv_cache_dtype), and the compiled decode kernel, the self rows and the
             # head-major copies read fp32, where torch's bf16 math attention upcasts every read (5x slower).
             # Fresh K/V (prefill) are attended in bf16: oneDNN's native bf16 matmuls or SDPA's flash kernel.
-            key, value = (None, None) if key is None else (key.float(), value.float())
+            if key is not None and isinstance(view.plan, SelfRowsPlan):  # the only reader of this step's K/V
+                key, value = key.float(), value.float()
             return self._read_cache(query.float(), key, value, kv_cache, view, scale, position_bias).to(query.dtype)
         return self._read_cache(query, key, value, kv_cache, view, scale, position_bias) if view.reads_cache \
             else self._attend_fresh(query, key, value, view, scale, position_bias)
