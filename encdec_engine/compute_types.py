@@ -10,14 +10,22 @@ COMPUTE_TYPES = {"int8": ("int8", "float32"), "int8_float32": ("int8", "float32"
                  "bfloat16": (None, "bfloat16"), "auto": (None, "fastest"), "default": (None, "auto")}
 
 
-def fold_compute_type(compute_type: str, quantization: str | None, dtype: str) -> tuple[str | None, str]:
-    """(quantization, dtype) with faster-whisper's `compute_type` folded in; a contradiction is refused."""
+# How the errors name the three options: the Python API's keywords, or the command line's flags.
+KEYWORDS = ("compute_type", "quantization", "dtype")
+FLAGS = ("--compute-type", "--quantization", "--dtype")
+
+
+def fold_compute_type(compute_type: str, quantization: str | None, dtype: str,
+                      names: tuple[str, str, str] = KEYWORDS) -> tuple[str | None, str]:
+    """(quantization, dtype) with faster-whisper's `compute_type` folded in; a contradiction is refused,
+    the options named as `names` spells them."""
+    as_compute_type, as_quantization, as_dtype = names
     if compute_type not in COMPUTE_TYPES:
-        raise ValueError(f"compute_type {compute_type}: the engine runs {', '.join(COMPUTE_TYPES)} "
-                         "(float16 is dtype='float16', on CUDA)")
+        raise ValueError(f"{as_compute_type} {compute_type}: the engine runs {', '.join(COMPUTE_TYPES)} "
+                         f"(float16 is {as_dtype} float16, on CUDA)")
     quantization_ct, dtype_ct = COMPUTE_TYPES[compute_type]
     if quantization and quantization != quantization_ct:
-        raise ValueError(f"compute_type {compute_type} contradicts quantization {quantization}")
+        raise ValueError(f"{as_compute_type} {compute_type} contradicts {as_quantization} {quantization}")
     if dtype != "auto" and dtype_ct != "auto" and dtype != dtype_ct:
-        raise ValueError(f"compute_type {compute_type} contradicts dtype {dtype}")
+        raise ValueError(f"{as_compute_type} {compute_type} contradicts {as_dtype} {dtype}")
     return quantization or quantization_ct, dtype if dtype_ct == "auto" else dtype_ct

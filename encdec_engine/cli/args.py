@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from encdec_engine.checkpoints.names import first_import, resolve
-from encdec_engine.compute_types import COMPUTE_TYPES, fold_compute_type
+from encdec_engine.compute_types import COMPUTE_TYPES, FLAGS, fold_compute_type
 
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 
@@ -200,11 +200,7 @@ def _quantization_and_dtype(args: argparse.Namespace) -> tuple[str | None, str]:
     """--quantization/--dtype with faster-whisper's --compute-type folded in (contradictions refused)."""
     if args.compute_type is None:
         return args.quantization, args.dtype
-    try:
-        return fold_compute_type(args.compute_type, args.quantization, args.dtype)
-    except ValueError as e:
-        flags = str(e).replace("compute_type", "compute-type", 1).replace(" quantization ", " --quantization ")
-        raise ValueError("--" + flags.replace(" dtype ", " --dtype ")) from None
+    return fold_compute_type(args.compute_type, args.quantization, args.dtype, FLAGS)
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
