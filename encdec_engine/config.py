@@ -9,6 +9,8 @@ import torch
 from encdec_engine.compute_types import fold_compute_type
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 @dataclass
 class EngineConfig:
     model: str  # checkpoint folder (or hub id when online)

@@ -14,11 +14,11 @@ from encdec_engine.server.origins import ANY, check_host_entry, is_loopback, ori
 _MB = 1 << 20
 
 
-
 def client_address(scope) -> str:
     """What a per-client share is kept by: the peer's address in the ASGI scope ("" when unknown)."""
     client = scope.get("client")
     return client[0] if client else ""
+
 
 @dataclass(frozen=True)
 class ServerLimits:

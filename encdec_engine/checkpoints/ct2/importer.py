@@ -27,7 +27,6 @@ from encdec_engine.cache import IMPORT_MARKER, cache_root
 from encdec_engine.files import fsync_file, fsync_folder
 
 _GELU = 3  # ctranslate2.specs.common_spec.Activation.GELU
-_MARKER = IMPORT_MARKER
 IMPORTER_VERSION = 1  # bump when the written checkpoint changes, to refresh caches
 _SMALL_FILE = 1 << 20  # bytes up to which a file's content, not its modification time, keys an import
 MODEL_NAME = "whisper-tiny.en"
@@ -276,7 +275,7 @@ def _fingerprint(src: Path) -> dict:
 
 def _is_complete(path: Path, fingerprint: dict) -> bool:
     try:
-        return json.loads((path / _MARKER).read_text()) == fingerprint
+        return json.loads((path / IMPORT_MARKER).read_text()) == fingerprint
     except (OSError, ValueError):
         return False
 
@@ -314,7 +313,7 @@ def _import_once(src: Path, dst: Path, fingerprint: dict, verify: Callable[[Path
     stale = dst.parent / f"{tmp.name}.stale"
     try:
         import_ct2_whisper(src, tmp)
-        (tmp / _MARKER).write_text(json.dumps(fingerprint))
+        (tmp / IMPORT_MARKER).write_text(json.dumps(fingerprint))
         umask = _umask()  # mkdtemp's 0700 and safetensors' 0600 would hide the import from a cache's other users
         tmp.chmod(0o777 & ~umask)
         for path in tmp.iterdir():
