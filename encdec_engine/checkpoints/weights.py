@@ -71,6 +71,12 @@ _FUSED = {
 }
 
 
+# An encoder/decoder checkpoint's token embeddings and output head, as HF names them (after "model."): the
+# tensors the BART family and T5 hold aside (`WeightLoader.hold`) until their ties are known.
+SHARED, ENCODER_EMBEDDING, DECODER_EMBEDDING, LM_HEAD = ("shared.weight", "encoder.embed_tokens.weight",
+                                                          "decoder.embed_tokens.weight", "lm_head.weight")
+
+
 def resolve_ties(ties: Sequence[tuple[str, str]], held: dict[str, torch.Tensor],
                  usually_apart: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """The tensor each name of `held` (checkpoint tensors) or of `ties` ends up with, tied names sharing

@@ -28,7 +28,8 @@ from torch import nn
 from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.metadata import AttentionMetadata
 from encdec_engine.checkpoints.generation_config import decoder_start_token_id
-from encdec_engine.checkpoints.weights import WeightLoader, resolve_ties, tied
+from encdec_engine.checkpoints.weights import (DECODER_EMBEDDING, ENCODER_EMBEDDING, LM_HEAD, SHARED,
+                                              WeightLoader, resolve_ties, tied)
 from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.models.encdec_layers import EncDecLayer, decoder_kv_cache_spec
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
@@ -141,11 +142,6 @@ class FamilyStack(nn.Module):
         return hidden if self.layer_norm is None else self.layer_norm(hidden)
 
 
-# The checkpoint's token embeddings and output head (after "model."): held until their ties are known.
-_SHARED, _ENCODER, _DECODER, _HEAD = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
-                                      "lm_head.weight")
-
-
 class FamilyModel(nn.Module):
     """A BART-family encoder/decoder; subclasses set `spec` (and `default_decoder_prompt`).
 
@@ -169,11 +165,11 @@ class FamilyModel(nn.Module):
             return ties.get(name, name)
 
         encoder_embed = self._embedding(config.vocab_size)
-        decoder_embed = encoder_embed if source(_DECODER) == source(_ENCODER) else \
+        decoder_embed = encoder_embed if source(DECODER_EMBEDDING) == source(ENCODER_EMBEDDING) else \
             self._embedding(self.decoder_vocab_size(config))
         self.encoder = FamilyStack(config, self.spec, backend, False, encoder_embed)
         self.decoder = FamilyStack(config, self.spec, backend, True, decoder_embed)
-        self.lm_head = None if source(_HEAD) == source(_DECODER) else self._head()
+        self.lm_head = None if source(LM_HEAD) == source(DECODER_EMBEDDING) else self._head()
         if self.spec.final_logits_bias:
             self.register_buffer("final_logits_bias", torch.zeros(self.head_vocab_size(config)))
         else:
@@ -184,7 +180,7 @@ class FamilyModel(nn.Module):
         """transformers 5's tied (target, source) pairs, in its order: none without tie_word_embeddings."""
         if not getattr(config, "tie_word_embeddings", True):
             return []
-        return [(_HEAD, _SHARED), (_DECODER, _SHARED), (_ENCODER, _SHARED)]
+        return [(LM_HEAD, SHARED), (DECODER_EMBEDDING, SHARED), (ENCODER_EMBEDDING, SHARED)]
 
     @staticmethod
     def decoder_vocab_size(config) -> int:
@@ -245,8 +241,8 @@ class FamilyModel(nn.Module):
         for stack in (self.encoder, self.decoder):
             stack.embed_positions.reset()
         loader = WeightLoader(self)
-        loader.hold(_SHARED, _ENCODER, _DECODER, _HEAD)
-        loader.ignore(_SHARED)  # only a source of the ties
+        loader.hold(SHARED, ENCODER_EMBEDDING, DECODER_EMBEDDING, LM_HEAD)
+        loader.ignore(SHARED)  # only a source of the ties
         if self.final_logits_bias is None:
             loader.ignore("final_logits_bias")
         computed = set()
@@ -259,11 +255,11 @@ class FamilyModel(nn.Module):
             loader.load_attention(name, tensor.reshape(-1) if name == "final_logits_bias" else tensor)
         values = resolve_ties(self.tied_weights(self.config), loader.held)
         # Share or separate the modules as the checkpoint's tensors are tied, then load them.
-        if tied(values, _DECODER, _ENCODER):
+        if tied(values, DECODER_EMBEDDING, ENCODER_EMBEDDING):
             self.decoder.embed_tokens = self.encoder.embed_tokens
         elif self.decoder.embed_tokens is self.encoder.embed_tokens:
             self.decoder.embed_tokens = self._embedding(self.decoder_vocab_size(self.config))
-        if tied(values, _HEAD, _DECODER):
+        if tied(values, LM_HEAD, DECODER_EMBEDDING):
             self.lm_head = None
         elif self.lm_head is None:
             self.lm_head = self._head()

@@ -8,6 +8,7 @@ it the encoder and decoder embeddings are separate, the decoder's of `decoder_vo
 
 from __future__ import annotations
 
+from encdec_engine.checkpoints.weights import DECODER_EMBEDDING, LM_HEAD
 from encdec_engine.models.bart_family import FamilyModel, FamilySpec
 
 
@@ -18,7 +19,7 @@ class MarianMTModel(FamilyModel):
     def tied_weights(cls, config) -> list[tuple[str, str]]:
         if not getattr(config, "tie_word_embeddings", True) or _shares(config):
             return super().tied_weights(config)
-        return [("lm_head.weight", "decoder.embed_tokens.weight")]
+        return [(LM_HEAD, DECODER_EMBEDDING)]
 
     @staticmethod
     def decoder_vocab_size(config) -> int:

@@ -26,7 +26,8 @@ from encdec_engine.attention.backends.base import AttentionBackend
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionType
 from encdec_engine.attention.position_bias import PositionBias, t5_bucket_index, t5_position_bias
 from encdec_engine.checkpoints.generation_config import decoder_start_token_id
-from encdec_engine.checkpoints.weights import WeightLoader, resolve_ties, tied
+from encdec_engine.checkpoints.weights import (DECODER_EMBEDDING, ENCODER_EMBEDDING, LM_HEAD, SHARED,
+                                              WeightLoader, resolve_ties, tied)
 from encdec_engine.layers.activation import ActivatedLinear, get_activation
 from encdec_engine.layers.linear import VocabProjection
 from encdec_engine.layers.norms import RMSNorm
@@ -34,9 +35,6 @@ from encdec_engine.models.encdec_layers import EncDecAttention
 from encdec_engine.models.interface import EncoderInputs, KVCacheSpec
 
 _DEFAULT_MAX_POSITIONS = 512  # T5 has no position table; the engine still bounds its sequences
-# The checkpoint's token embeddings and output head: held until their ties are known.
-_SHARED, _ENCODER, _DECODER, _HEAD = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
-                                      "lm_head.weight")
 
 
 class T5FeedForward(nn.Module):
@@ -162,7 +160,7 @@ class T5ForConditionalGeneration(nn.Module):
         """transformers 5's tied (target, source) pairs, in its order."""
         if not getattr(self.config, "tie_word_embeddings", True):
             return []
-        return [(_ENCODER, _SHARED), (_DECODER, _SHARED), (_HEAD, _SHARED)]
+        return [(ENCODER_EMBEDDING, SHARED), (DECODER_EMBEDDING, SHARED), (LM_HEAD, SHARED)]
 
     @property
     def max_decoder_len(self) -> int:
@@ -208,8 +206,8 @@ class T5ForConditionalGeneration(nn.Module):
         for stack in (self.encoder, self.decoder):
             stack.reset()
         loader = WeightLoader(self)
-        loader.hold(_SHARED, _ENCODER, _DECODER, _HEAD)
-        loader.ignore(_SHARED)  # only a source of the ties
+        loader.hold(SHARED, ENCODER_EMBEDDING, DECODER_EMBEDDING, LM_HEAD)
+        loader.ignore(SHARED)  # only a source of the ties
         loader.ignore("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight")  # as HF does
         for name, tensor in weights:
             name = hf_to_ours(name)
@@ -218,11 +216,11 @@ class T5ForConditionalGeneration(nn.Module):
                 loader.load_shard(name.replace(f".ffn.wi_{shard}.", ".ffn.wi."), tensor, shard, 2)
             else:
                 loader.load_attention(name, tensor)
-        values = resolve_ties(self.tied_weights(), loader.held, usually_apart={_HEAD})  # v1.1, Flan, mT5
+        values = resolve_ties(self.tied_weights(), loader.held, usually_apart={LM_HEAD})  # v1.1, Flan, mT5
         # Share or separate the modules as the checkpoint's tensors are tied, then load them.
-        if not tied(values, _DECODER, _ENCODER):
+        if not tied(values, DECODER_EMBEDDING, ENCODER_EMBEDDING):
             self.decoder.embed_tokens = nn.Embedding(self.config.vocab_size, self.config.d_model)
-        self.lm_head = None if tied(values, _HEAD, _DECODER) else \
+        self.lm_head = None if tied(values, LM_HEAD, DECODER_EMBEDDING) else \
             nn.Linear(self.config.d_model, self.config.vocab_size, bias=False)
         loader.load_held(self, values)
         loader.finish(optional={"encoder.bucket_index", "decoder.bucket_index"})
