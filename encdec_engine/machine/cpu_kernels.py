@@ -318,7 +318,8 @@ def prepare_cpu_linears(model: nn.Module, quantization: str | None) -> CpuLinear
     if not any(packs(p) for p in model.parameters()):  # CUDA, fp16, emulated bf16: F.linear as it is
         return None
     if any(p.dtype == torch.bfloat16 for p in model.parameters()):
-        # Native bf16 is always packed: 1.3-2.6x F.linear's bf16 from 1 to 1,500 rows (Xeon with AMX, 2 threads).
+        # Native bf16 is always packed: 1.3-2.6x F.linear's bf16 from 1 to 1,500 rows (Xeon with AMX, 2 threads;
+        # a one-off measurement).
         pack_linears(model)
         if projection is not None:
             projection.use(PackedWeight)
