@@ -74,6 +74,7 @@ class Run:
     lags: list[float] = field(default_factory=list)
     completed: list[float] = field(default_factory=list)
     turns: list[tuple[str, np.ndarray]] = field(default_factory=list)  # (final text, the turn's samples)
+    deltas: list[str] = field(default_factory=list)  # each turn's deltas joined, as the client shows them
     early: int = 0  # turns with text before their speech stopped
     cpu: float = 0.0
     wer: float = float("nan")
@@ -192,6 +193,7 @@ def _tally(events: list[tuple[float, dict]], rec: Recording, times: dict, t0: fl
         run.completed.append(item["done_at"] - (t0 + span[1]))
         run.early += any(t < item["stopped_at"] for t, _ in item["deltas"])
         run.turns.append((item["text"], rec.heard[item["start_ms"] * 16 : item["end_ms"] * 16]))
+        run.deltas.append(" ".join(w for _, w in item["deltas"]))
 
 
 def engine_run(url: str, recs: list[Recording], times: dict, pid: int) -> Run:
@@ -285,6 +287,7 @@ def faster_whisper_run(recs: list[Recording], times: dict, live_model, compute_t
             run.completed.append(t - (t0s[i] + span[1]))
             run.early += any(dt < stopped.get(e.item_id, float("inf")) for dt, _ in deltas)
             run.turns.append((e.transcript, rec.heard[e.audio_start_ms * 16 : e.audio_end_ms * 16]))
+            run.deltas.append(" ".join(w for _, w in deltas))
     offline = [" ".join(s.text for s in model.transcribe(samples, language="en", beam_size=1, vad_filter=False)[0])
                for _, samples in run.turns]
     run.wer = _wer([t for t, _ in run.turns], offline)
@@ -312,7 +315,8 @@ def row(system: str, n: int, recs: list[Recording], run: Run) -> str:
     audio = sum(len(r.heard) for r in recs) / SAMPLE_RATE
     return (f"| {system} | {n} | {audio:.0f} | {len(run.lags)} | {_pct(run.lags, 50):.2f} / {_pct(run.lags, 95):.2f} / "
             f"{max(run.lags, default=float('nan')):.2f} | {_pct(run.completed, 50):.2f} / {_pct(run.completed, 95):.2f} / "
-            f"{max(run.completed, default=float('nan')):.2f} | {100 * run.wer:.1f} | {run.early}/{len(run.turns)} | "
+            f"{max(run.completed, default=float('nan')):.2f} | {100 * run.wer:.1f} | "
+            f"{100 * _wer(run.deltas, [t for t, _ in run.turns]):.1f} | {run.early}/{len(run.turns)} | "
             f"{run.cpu:.2f} | {'yes' if real_time(run) else 'no'} |")
 
 
@@ -337,11 +341,13 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads of each system")
     parser.add_argument("--all", action="store_true", help="run every N, not stopping once one is past real time")
     parser.add_argument("--no-faster-whisper", action="store_true", help="the engine alone")
+    parser.add_argument("--interim-padding", default="2", help="the server's --realtime-interim-padding: seconds "
+                        "of padding the interim decodes read past the audio, or 'full' (the whole 30 s window)")
     args = parser.parse_args()
     counts = [1, 2] if args.quick else [int(n) for n in args.clients.split(",")]
     args.all = args.all or args.quick  # a smoke run shows both N whatever the machine
     print(f"machine: {machine()}")
-    print(f"model: tiny.en (bundled); weights {args.quantization or 'float32'}; {args.threads} threads; "
+    print(f"model: tiny.en (bundled); weights {args.quantization or 'float32'}; {args.threads} threads; interim decodes read the audio + {args.interim_padding} s of padding; "
           f"chunks of {CHUNK * 1000:.0f} ms at real-time pace; targets: p95 word lag <= {LAG_TARGET} s, "
           f"p95 completed <= {COMPLETED_TARGET} s after the turn's audio ended")
     port = _free_port()
@@ -350,8 +356,10 @@ def main() -> int:
            "--api-key", KEY, "--threads", str(args.threads), "--max-realtime-sessions", str(max(counts)),
            "--max-realtime-sessions-per-client", str(max(counts))]  # every simulated client is this machine
     cmd += ["--quantization", args.quantization] if args.quantization else []
+    cmd += ["--realtime-interim-padding", args.interim_padding]
     header = ("| system | N | audio s | words | word lag p50 / p95 / max s | completed p50 / p95 / max s | "
-              "WER vs offline % | turns with text before stop | CPU cores | real time |\n|---|---|---|---|---|---|---|---|---|---|")
+              "WER vs offline % | deltas WER vs completed % | turns with text before stop | CPU cores | real time |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")
     rows, best = [], {"engine": 0, "faster-whisper": 0}
 
     def sweep(system: str, measure) -> None:

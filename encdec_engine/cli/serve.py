@@ -34,7 +34,8 @@ def server_limits(args):
                         max_realtime_buffer_seconds=args.max_realtime_buffer_seconds,
                         max_realtime_speed=args.max_realtime_speed,
                         max_realtime_sessions_per_client=args.max_realtime_sessions_per_client,
-                        realtime_idle_timeout_s=args.realtime_idle_timeout)
+                        realtime_idle_timeout_s=args.realtime_idle_timeout,
+                        realtime_interim_padding_s=args.realtime_interim_padding)
 
 
 def server_engine_kwargs(args) -> dict:
@@ -104,8 +105,25 @@ def add_serve_parser(sub) -> None:
                     help="a live session that gets no client event for this long while it owes no transcription, "
                          "or whose client reads none of its events for this long, gets an error event and close "
                          "code 1008")
+    sv.add_argument("--realtime-interim-padding", type=_padding, default=2.0, metavar="SECONDS|full",
+                    help="what a live session's interim decodes (the deltas while a turn is spoken) read: the "
+                         "buffered audio and this many seconds of padding (default 2), or 'full': the whole 30 s "
+                         "window, as the final decode always does (costlier; see docs/live.md)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                     help="server and engine log level")
     sv.set_defaults(func=cmd_serve)
+
+
+def _padding(value: str) -> float | None:
+    """--realtime-interim-padding: seconds in [0, 30], or 'full' (None: the whole window)."""
+    if value == "full":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'full', got {value!r}") from None
+    if not 0 <= seconds <= 30:
+        raise argparse.ArgumentTypeError(f"must be in [0, 30] seconds (or 'full'), got {value}")
+    return seconds

@@ -85,6 +85,9 @@ class InputProcessor:
             return self._audio_encoder_sequence(prompt)
         if prompt.multi_modal_data:
             raise ValueError(f"this model takes text only, got multi_modal_data {sorted(prompt.multi_modal_data)}")
+        if prompt.mm_processor_kwargs:
+            raise ValueError("this model takes text only, got mm_processor_kwargs "
+                             f"{sorted(prompt.mm_processor_kwargs)}")
         ids = self._tokens(prompt, "encoder prompt", add_special_tokens=True, drop_eos=False,
                            vocab_size=self.encoder_vocab_size)
         ids = self._truncate(ids, params, "encoder prompt", self.max_encoder_len)
@@ -110,8 +113,28 @@ class InputProcessor:
             features = log_mel_spectrogram([samples], n_mels=self.num_mel_bins)[0]
         else:
             raise ValueError("an audio model needs multi_modal_data={'audio': (samples, sample_rate)}")
-        return EncoderSequence(num_positions=self.model.encoder_num_positions(N_FRAMES), features=features,
-                               cache_key=content_key(features))
+        positions = self._audio_ctx(prompt.mm_processor_kwargs or {})
+        if positions is not None:
+            features = features[:, : 2 * positions]  # the window's first frames: the encoder reads only those
+        return EncoderSequence(num_positions=positions or self.model.encoder_num_positions(N_FRAMES),
+                               features=features, cache_key=content_key(features))
+
+    def _audio_ctx(self, kwargs: dict) -> int | None:
+        """`mm_processor_kwargs={"audio_ctx": n}`: the encoder reads the window's first n positions (2n mel
+        frames, 20 ms each) instead of all 1500, as whisper.cpp's `audio_ctx`. The attention then sees no
+        padding past them: a decode of a few seconds of audio costs what those seconds cost, and its text
+        may differ from the full window's (live transcription's interim decodes use it, never the final)."""
+        unknown = sorted(set(kwargs) - {"audio_ctx"})
+        if unknown:
+            raise ValueError(f"mm_processor_kwargs: unknown keys {unknown}; an audio model takes 'audio_ctx'")
+        n = kwargs.get("audio_ctx")
+        if n is None:
+            return None
+        full = self.model.encoder_num_positions(N_FRAMES)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= full:
+            raise ValueError(f"mm_processor_kwargs: audio_ctx must be an int of encoder positions in [1, {full}] "
+                             f"(20 ms each; {full} is the whole 30 s window), got {n!r}")
+        return n
 
     # -- helpers -------------------------------------------------------------
     def _tokens(self, prompt: ParsedSingleton, what: str, add_special_tokens: bool, drop_eos: bool,
@@ -161,5 +184,5 @@ def content_key(encoder_input) -> bytes:
     if isinstance(encoder_input, list):
         data = np.asarray(encoder_input, dtype=np.int64).tobytes()
     else:
-        data = encoder_input.detach().cpu().contiguous().numpy().tobytes()
+        data = repr(tuple(encoder_input.shape)).encode() + encoder_input.detach().cpu().contiguous().numpy().tobytes()
     return hashlib.sha256(data).digest()

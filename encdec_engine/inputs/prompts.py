@@ -3,7 +3,8 @@
 A *singleton* prompt is a plain string, a `TextPrompt` or a `TokensPrompt`.
 For an encoder/decoder model it is the encoder prompt and the decoder gets
 the model's default decoder prompt; an `ExplicitEncoderDecoderPrompt` names
-both. Audio rides in `multi_modal_data={"audio": (samples, sample_rate)}`.
+both. Audio rides in `multi_modal_data={"audio": (samples, sample_rate)}`, and options of its
+processing in `mm_processor_kwargs` (vLLM's name; Whisper's `audio_ctx`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from typing_extensions import NotRequired
 class TextPrompt(TypedDict):
     prompt: str
     multi_modal_data: NotRequired[dict[str, Any]]
+    mm_processor_kwargs: NotRequired[dict[str, Any]]
 
 
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
     multi_modal_data: NotRequired[dict[str, Any]]
+    mm_processor_kwargs: NotRequired[dict[str, Any]]
 
 
 SingletonPrompt = Union[str, TextPrompt, TokensPrompt]
@@ -43,6 +46,7 @@ class ParsedSingleton:
     text: str | None
     token_ids: list[int] | None
     multi_modal_data: dict[str, Any] | None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,17 +76,20 @@ def parse_singleton(prompt: Any, what: str = "prompt") -> ParsedSingleton:
         mm = prompt.get("multi_modal_data")
         if mm is not None and not isinstance(mm, dict):
             raise ValueError(f"{what}: multi_modal_data must be a dict, got {type(mm).__name__}")
+        kwargs = prompt.get("mm_processor_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"{what}: mm_processor_kwargs must be a dict, got {type(kwargs).__name__}")
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids
             ):
                 raise ValueError(f"{what}: prompt_token_ids must be a list of ints")
-            return ParsedSingleton("tokens", None, list(ids), mm)
+            return ParsedSingleton("tokens", None, list(ids), mm, kwargs)
         if "prompt" in prompt:
             if not isinstance(prompt["prompt"], str):
                 raise ValueError(f"{what}: 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
-            return ParsedSingleton("text", prompt["prompt"], None, mm)
+            return ParsedSingleton("text", prompt["prompt"], None, mm, kwargs)
         raise ValueError(f"{what}: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
     raise ValueError(f"{what}: unsupported prompt type {type(prompt).__name__}")
 
@@ -100,7 +107,7 @@ def parse_prompt(prompt: PromptType) -> ParsedPrompt:
         encoder = parse_singleton(prompt["encoder_prompt"], "encoder_prompt")
         dec = prompt.get("decoder_prompt")
         decoder = None if dec is None else parse_singleton(dec, "decoder_prompt")
-        if decoder is not None and decoder.multi_modal_data:
-            raise ValueError("decoder_prompt: multi_modal_data belongs to the encoder prompt")
+        if decoder is not None and (decoder.multi_modal_data or decoder.mm_processor_kwargs):
+            raise ValueError("decoder_prompt: multi_modal_data and mm_processor_kwargs belong to the encoder prompt")
         return ParsedPrompt(encoder, decoder, explicit=True)
     return ParsedPrompt(parse_singleton(prompt), None, explicit=False)

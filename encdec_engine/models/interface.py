@@ -26,7 +26,16 @@ class EncoderInputs:
 
     input_ids: torch.Tensor | None = None  # [num_encoder_tokens]
     positions: torch.Tensor | None = None  # [num_encoder_tokens]
-    features: torch.Tensor | None = None  # [num_requests, n_mels, n_frames]
+    # [num_requests, n_mels, n_frames], or a list of [n_mels, n_frames_i] where the requests' lengths differ
+    features: torch.Tensor | list[torch.Tensor] | None = None
+
+
+def stack_features(features: list[torch.Tensor], device: torch.device) -> torch.Tensor | list[torch.Tensor]:
+    """One batched tensor of the requests' features where their lengths agree (every full window), else
+    the list (windows cut to their `audio_ctx`), each on `device`."""
+    if all(f.shape == features[0].shape for f in features):
+        return torch.stack(features).to(device)
+    return [f.to(device) for f in features]
 
 
 class Model(Protocol):

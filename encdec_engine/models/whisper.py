@@ -38,13 +38,23 @@ class WhisperEncoder(nn.Module):
         self.layers = nn.ModuleList(EncDecLayer(config, backend, False, pre_norm=True, prescale_query=True) for _ in range(config.encoder_layers))
         self.layer_norm = nn.LayerNorm(d)
 
-    def forward(self, features: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        # features: [num_requests, n_mels, 2 * max_source_positions] -> [num_requests * 1500, d_model]
-        x = F.gelu(self.conv2(F.gelu(self.conv1(features)))).permute(0, 2, 1)
-        hidden = (x + self.embed_positions.weight).reshape(-1, x.shape[-1])
+    def forward(self, features: torch.Tensor | list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        # features: [num_requests, n_mels, 2 * positions] -> [num_requests * positions, d_model] (1500 positions
+        # for a whole window), or a list of [n_mels, 2 * positions_i] (windows cut to their audio_ctx) -> the
+        # requests' positions one after another, as the metadata's block-diagonal view reads them
+        if isinstance(features, list):
+            hidden = torch.cat([self.embed(f.unsqueeze(0)) for f in features])
+        else:
+            hidden = self.embed(features)
         for layer in self.layers:
             hidden = layer(hidden, None, metadata)
         return self.layer_norm(hidden)
+
+    def embed(self, features: torch.Tensor) -> torch.Tensor:
+        """[n, n_mels, 2 * positions] -> [n * positions, d_model]: the convolutions and the first `positions`
+        positional embeddings."""
+        x = F.gelu(self.conv2(F.gelu(self.conv1(features)))).permute(0, 2, 1)
+        return (x + self.embed_positions.weight[: x.shape[1]]).reshape(-1, x.shape[-1])
 
 
 class WhisperDecoder(nn.Module):
@@ -109,7 +119,10 @@ class WhisperForConditionalGeneration(nn.Module):
         return [layer.fc2 for layer in self.encoder.layers]
 
     def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.encoder(inputs.features.to(self.encoder.conv1.weight.dtype), metadata)
+        dtype = self.encoder.conv1.weight.dtype
+        features = inputs.features
+        features = [f.to(dtype) for f in features] if isinstance(features, list) else features.to(dtype)
+        return self.encoder(features, metadata)
 
     def forward(self, input_ids, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:
         return self.decoder(input_ids, positions, kv_caches, metadata, encoder_hidden)

@@ -65,6 +65,9 @@ class ServerLimits:
     # transcription, or whose client reads none of its events for this long (its next events wait until it
     # does: see realtime.py), gets an error event and is closed (1008), so an idle client holds no session.
     realtime_idle_timeout_s: float = 60.0
+    # What a realtime session's interim decodes read: the buffer and this much of the window's padding
+    # (seconds; None: the whole 30 s window). LiveOptions.interim_padding_seconds.
+    realtime_interim_padding_s: float | None = 2.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -95,6 +98,9 @@ class ServerLimits:
         if per_client is not None and not 1 <= per_client <= max(1, self.max_realtime_sessions):
             raise ValueError(f"max_realtime_sessions_per_client must lie between 1 and max_realtime_sessions "
                              f"({self.max_realtime_sessions}), got {per_client}")
+        padding = self.realtime_interim_padding_s
+        if padding is not None and not 0 <= padding <= 30:
+            raise ValueError(f"realtime_interim_padding_s must be in [0, 30] or None (the whole window), got {padding}")
         if not self.realtime_idle_timeout_s > 0:
             raise ValueError(f"realtime_idle_timeout_s must be positive, got {self.realtime_idle_timeout_s}")
         if self.api_key is not None and not self.api_key:

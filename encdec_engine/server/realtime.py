@@ -291,7 +291,8 @@ class RealtimeConnection:
 
     def _options(self, config: SessionConfig) -> LiveOptions:
         """LiveOptions of a configuration; ValueError for a language the model cannot take, or a bad prompt."""
-        options = LiveOptions(language=config.language, prompt=config.prompt, turn_detection=config.turn_detection)
+        options = LiveOptions(language=config.language, prompt=config.prompt, turn_detection=config.turn_detection,
+                              interim_padding_seconds=self.st.limits.realtime_interim_padding_s)
         self.model.tokens.decoder_prompt(options.language)  # an English-only checkpoint refuses other languages
         self.model.prompt_tokens(options.prompt)
         return options

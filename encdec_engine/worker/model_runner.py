@@ -26,7 +26,7 @@ from encdec_engine.attention.metadata import AttentionMetadata, AttentionView, h
 from encdec_engine.worker.step_input import SequenceGroupMetadata
 from encdec_engine.layers.logits_processors import SamplingRow
 from encdec_engine.layers.sampler import Sampler, beam_log_probs
-from encdec_engine.models.interface import EncoderInputs
+from encdec_engine.models.interface import EncoderInputs, stack_features
 from encdec_engine.probes import ProbeResults
 from encdec_engine.worker.cache_engine import CacheEngine
 from encdec_engine.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs
@@ -212,7 +212,7 @@ class ModelRunner:
             if token_table is not None:
                 inputs = EncoderInputs(input_ids=self._tensor(enc.input_ids), positions=self._tensor(enc.positions))
             else:
-                inputs = EncoderInputs(features=torch.stack([e.features for e in encs]).to(self.device))
+                inputs = EncoderInputs(features=stack_features([e.features for e in encs], self.device))
         if len(to_encode) == len(groups):
             # Each decoder sequence attends to its group's fresh encoder segment.
             cross = self._view(dec.query_start_loc, enc_lens_all[seq_group], causal=False, slot_mapping=slots,

@@ -86,6 +86,24 @@ def test_the_final_decode_is_the_offline_request_and_its_text_the_turns_transcri
     assert t.emitted == "I will like a coffee." and t.text == "I would like a coffee."
 
 
+def audio_ctx(request) -> int | None:
+    return request.prompt["encoder_prompt"].get("mm_processor_kwargs", {}).get("audio_ctx")
+
+
+def test_interim_decodes_read_their_audio_and_padding_and_the_final_the_whole_window(model):
+    t = turn(model, seconds=3.1)
+    partial = t.request()
+    assert partial.kind is Kind.PARTIAL and audio_ctx(partial) == 300  # 3.1 s + 2 s of padding -> 6 s, 50 a second
+    t.append(np.zeros(int(3.0 * 16000), dtype=np.float32))
+    assert audio_ctx(t.request()) == 450  # 6.1 + 2 s -> 9 s
+    t.end()
+    final = t.request()
+    assert final.kind is Kind.FINAL and audio_ctx(final) is None  # the offline request: the whole 30 s window
+    assert audio_ctx(turn(model, seconds=3.1, interim_padding_seconds=None).request()) is None
+    assert audio_ctx(turn(model, seconds=3.1, interim_padding_seconds=0).request()) == 200
+    assert audio_ctx(turn(model, seconds=27.5).request()) is None  # 30 s: the whole window
+
+
 def test_a_long_buffer_is_cut_at_a_confirmed_segment_end_and_stale_results_change_nothing(model):
     t = turn(model, seconds=20.0, trim_seconds=15.0)
     old = t.request()
@@ -135,6 +153,8 @@ def test_options_are_validated_on_construction():
         LiveOptions(agreement=0)
     with pytest.raises(ValueError, match="language"):
         LiveOptions(language="xx")
+    with pytest.raises(ValueError, match="interim_padding_seconds"):
+        LiveOptions(interim_padding_seconds=-1)
     assert LiveOptions(language="English").language == "en"
     assert LiveOptions(turn_detection={"threshold": 0.6}).turn_detection == TurnDetection(threshold=0.6)
 

@@ -29,6 +29,7 @@ class LiveModel:
         self.tokens = WhisperTokens.from_configs(engine.hf_config, gc)
         self.tokenizer = engine.tokenizer
         self.max_decoder_len = engine.max_decoder_len
+        self.encoder_positions = engine.model.max_encoder_len  # a whole 30 s window's (1500)
         self.max_length = getattr(gc, "max_length", None) or self.max_decoder_len
         self.half = self.max_decoder_len // 2 - 1  # openai-whisper's cap on a prompt's previous text
         self.rules: TimestampRules = timestamp_rules_from_generation_config(gc)

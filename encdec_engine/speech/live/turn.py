@@ -23,6 +23,7 @@ text confirmed before the cut, then the final decode of the rest.
 from __future__ import annotations
 
 import enum
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ FLUSH_SECONDS = 28.0  # a buffer this long is decoded as a FLUSH (its text confi
 NO_SPEECH_THRESHOLD = 0.6  # openai-whisper's: a decode is silence when its no-speech probability is
 LOGPROB_THRESHOLD = -1.0  # above the first and its mean log-probability below the second
 COMPRESSION_RATIO_THRESHOLD = 2.4  # a partial hypothesis compressing better than this loops: it is not used
+POSITIONS_PER_SECOND = 50  # Whisper's encoder: 100 mel frames a second, halved by the second convolution
 
 
 class Kind(enum.Enum):
@@ -131,8 +133,22 @@ class LiveTurn:
             previous = (self.context + self.history)[-self.model.half :]
             decoder = tokens.decoder_prompt(self.language, self.options.task, True, previous)
             params = self.model.decode_params(len(decoder), len(window) / SAMPLE_RATE)
+            if kind is Kind.PARTIAL:
+                positions = self._interim_positions(len(window))
+                if positions is not None:
+                    encoder["mm_processor_kwargs"] = {"audio_ctx": positions}
         return LiveRequest(self, kind, {"encoder_prompt": encoder, "decoder_prompt": {"prompt_token_ids": decoder}},
                            params, len(window), self.generation, self.start + self.offset + len(window))
+
+    def _interim_positions(self, samples: int) -> int | None:
+        """The encoder positions an interim decode of `samples` reads: the audio and `interim_padding_seconds`
+        of padding, in whole seconds (fewer distinct lengths); None where that is the whole window."""
+        padding = self.options.interim_padding_seconds
+        if padding is None:
+            return None
+        seconds = math.ceil(samples / SAMPLE_RATE + padding)
+        positions = seconds * POSITIONS_PER_SECOND
+        return positions if positions < self.model.encoder_positions else None
 
     def take(self, request: LiveRequest, generated: list[int], no_speech_prob: float = 0.0,
              avg_logprob: float = 0.0) -> str:
