@@ -338,6 +338,8 @@ def main() -> int:
     parser.add_argument("--clients", default="1,2,4,8,12,16,24,32", help="the N to run, in order")
     parser.add_argument("--quick", action="store_true", help="N = 1, 2 on two-clip recordings (a smoke run)")
     parser.add_argument("--quantization", choices=["int8"], default=None, help="int8 weights (faster-whisper: int8)")
+    parser.add_argument("--compute-type", default=None, help="the engine's --compute-type (e.g. bfloat16, auto); "
+                        "faster-whisper keeps float32 (int8 with --quantization)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads of each system")
     parser.add_argument("--all", action="store_true", help="run every N, not stopping once one is past real time")
     parser.add_argument("--no-faster-whisper", action="store_true", help="the engine alone")
@@ -347,7 +349,7 @@ def main() -> int:
     counts = [1, 2] if args.quick else [int(n) for n in args.clients.split(",")]
     args.all = args.all or args.quick  # a smoke run shows both N whatever the machine
     print(f"machine: {machine()}")
-    print(f"model: tiny.en (bundled); weights {args.quantization or 'float32'}; {args.threads} threads; interim decodes read the audio + {args.interim_padding} s of padding; "
+    print(f"model: tiny.en (bundled); weights {args.compute_type or args.quantization or 'float32'}; {args.threads} threads; interim decodes read the audio + {args.interim_padding} s of padding; "
           f"chunks of {CHUNK * 1000:.0f} ms at real-time pace; targets: p95 word lag <= {LAG_TARGET} s, "
           f"p95 completed <= {COMPLETED_TARGET} s after the turn's audio ended")
     port = _free_port()
@@ -357,6 +359,7 @@ def main() -> int:
            "--max-realtime-sessions-per-client", str(max(counts))]  # every simulated client is this machine
     cmd += ["--quantization", args.quantization] if args.quantization else []
     cmd += ["--realtime-interim-padding", args.interim_padding]
+    cmd += ["--compute-type", args.compute_type] if args.compute_type else []
     header = ("| system | N | audio s | words | word lag p50 / p95 / max s | completed p50 / p95 / max s | "
               "WER vs offline % | deltas WER vs completed % | turns with text before stop | CPU cores | real time |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|")

@@ -36,6 +36,7 @@ from typing import TypeVar
 
 from encdec_engine.engine.llm_engine import LLMEngine, ProcessedRequest
 from encdec_engine.inputs.prompts import PromptType
+from encdec_engine.machine.threads import single_threaded
 from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
 
@@ -102,8 +103,10 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine, input_workers: int = 2) -> None:
         self.engine = engine
-        # Prepares requests (LLMEngine.process_request) off the event loop and the engine thread.
-        self._inputs = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="encdec-inputs")
+        # Prepares requests (LLMEngine.process_request) off the event loop and the engine thread, each worker's
+        # torch ops (log-mels) on one thread: the workers run beside the engine's steps, which hold the cores.
+        self._inputs = concurrent.futures.ThreadPoolExecutor(input_workers, thread_name_prefix="encdec-inputs",
+                                                             initializer=single_threaded)
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._mailboxes: dict[str, _Mailbox] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None

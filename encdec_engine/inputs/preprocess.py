@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from encdec_engine.inputs.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
+from encdec_engine.inputs.audio import HOP_LENGTH, N_FFT, N_FRAMES, N_SAMPLES, SAMPLE_RATE, audio_samples
 from encdec_engine.inputs.features import log_mel_spectrogram
 from encdec_engine.inputs.prompts import ParsedSingleton, PromptType, check_unicode, parse_prompt
 from encdec_engine.sampling_params import SamplingParams
@@ -100,22 +100,23 @@ class InputProcessor:
             raise ValueError("the encoder prompt of an audio model is its audio: pass "
                              "{'prompt': '', 'multi_modal_data': {'audio': (samples, sample_rate)}} and put any "
                              "text in the decoder prompt")
+        positions = self._audio_ctx(prompt.mm_processor_kwargs or {})
+        frames = N_FRAMES if positions is None else 2 * positions  # the encoder reads the window's first frames
         if "input_features" in mm:
             features = torch.as_tensor(mm["input_features"], dtype=torch.float32)
             if tuple(features.shape) != (self.num_mel_bins, N_FRAMES):
                 raise ValueError(f"input_features must have shape ({self.num_mel_bins}, {N_FRAMES}), "
                                  f"got {tuple(features.shape)}")
+            features = features[:, :frames]
         elif "audio" in mm:
             samples = audio_samples(mm["audio"])
             if len(samples) > N_SAMPLES:
                 raise ValueError(f"audio is {len(samples) / SAMPLE_RATE:.1f} s long; one request holds at most "
                                  f"{N_SAMPLES // SAMPLE_RATE} s (use LLM.transcribe for long-form audio)")
-            features = log_mel_spectrogram([samples], n_mels=self.num_mel_bins)[0]
+            features = log_mel_spectrogram([samples], n_mels=self.num_mel_bins, pad_to=_mel_span(len(samples), frames))
+            features = features[0, :, :frames]
         else:
             raise ValueError("an audio model needs multi_modal_data={'audio': (samples, sample_rate)}")
-        positions = self._audio_ctx(prompt.mm_processor_kwargs or {})
-        if positions is not None:
-            features = features[:, : 2 * positions]  # the window's first frames: the encoder reads only those
         return EncoderSequence(num_positions=positions or self.model.encoder_num_positions(N_FRAMES),
                                features=features, cache_key=content_key(features))
 
@@ -173,6 +174,16 @@ class InputProcessor:
         if len(ids) >= self.max_decoder_len:
             raise ValueError(f"{what} has {len(ids)} tokens, leaving no room to generate within the decoder's "
                              f"limit of {self.max_decoder_len} positions")
+
+
+def _mel_span(num_samples: int, frames: int) -> int:
+    """Samples to compute a window's first `frames` log-mel frames from: all the audio (the dynamic range is
+    clamped below its peak) and the frames' own reach (an STFT frame reads N_FFT / 2 samples past its hop),
+    zeros after the audio as in the 30 s window. Its first `frames` frames then equal the whole window's."""
+    if frames == N_FRAMES:
+        return N_SAMPLES
+    span = max(num_samples, frames * HOP_LENGTH) + N_FFT
+    return min(N_SAMPLES, -(-span // HOP_LENGTH) * HOP_LENGTH)
 
 
 def content_key(encoder_input) -> bytes:

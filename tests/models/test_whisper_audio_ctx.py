@@ -68,6 +68,16 @@ def test_a_window_cut_to_its_audio_ctx_decodes_as_hf_over_the_same_positions(tin
         assert until_eot(out.outputs[0].token_ids) == hf_greedy(hf_tiny_en, samples, audio_ctx), clip
 
 
+@pytest.mark.parametrize("seconds, audio_ctx", [(3.5, 100), (3.5, 175), (3.5, 176), (3.5, 300), (29.9, 1499), (0.5, 1)])
+def test_the_features_of_a_cut_window_are_the_whole_windows_first_frames(tiny_en, seconds, audio_ctx):
+    """Only the frames the encoder reads are computed, from all the audio (its peak clamps the range)."""
+    samples = torch.randn(int(seconds * 16000), generator=torch.Generator().manual_seed(0)).numpy() * 0.1
+    full = log_mel_spectrogram([samples])[0]
+    seq = tiny_en.engine.input_processor.process(prompt(samples, audio_ctx), GREEDY).encoder_seq
+    assert seq.num_positions == audio_ctx
+    assert torch.equal(seq.features, full[:, : 2 * audio_ctx])
+
+
 def test_windows_of_different_lengths_batch_as_each_decodes_alone(tiny_en, make_llm, monkeypatch):
     samples = [load_audio(AUDIO / c) for c in CLIPS]
     prompts = [prompt(samples[0], 200), prompt(samples[1], 350), prompt(samples[2], None), prompt(samples[0], 350)]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from encdec_engine.inputs.audio import SAMPLE_RATE
+from encdec_engine.machine.threads import one_thread
 from encdec_engine.speech.live.options import TurnDetection
 
 FRAME_SAMPLES = 512  # 32 ms at 16 kHz, the frame Silero VAD reads
@@ -48,8 +49,10 @@ class SileroStream:
         self.rest = np.zeros(0, dtype=np.float32)  # samples of a frame not complete yet
 
     @torch.inference_mode()
+    @one_thread()
     def push(self, samples: np.ndarray) -> np.ndarray:
-        """[frames] probability of every frame completed by these [num_samples] 16 kHz samples."""
+        """[frames] probability of every frame completed by these [num_samples] 16 kHz samples (on one of
+        torch's threads: a frame's ops are too small to split, and the engine's steps hold the cores)."""
         audio = np.concatenate([self.rest, np.asarray(samples, dtype=np.float32)])
         count = len(audio) // FRAME_SAMPLES
         self.rest = audio[count * FRAME_SAMPLES :]
