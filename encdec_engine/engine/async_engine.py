@@ -129,7 +129,9 @@ class AsyncLLMEngine:
 
     # -- lifecycle -----------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start the engine thread; outputs are delivered on `loop` (default: the running loop)."""
+        """Start the engine thread; outputs are delivered on `loop` (default: the running loop). The engine
+        thread's torch ops run at full speed only where no other thread holds an OpenMP team: call
+        `machine.threads.beside_engine_thread()` in the threads that run beside it (the server does)."""
         if self._thread is not None:
             return
         self._loop = loop or asyncio.get_running_loop()

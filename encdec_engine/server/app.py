@@ -36,6 +36,8 @@ This module builds and runs the app; the parts live beside it:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import gc
 import logging
 from contextlib import asynccontextmanager
 
@@ -51,6 +53,7 @@ from starlette.requests import ClientDisconnect
 from encdec_engine.config import EngineConfig
 from encdec_engine.engine.async_engine import AsyncLLMEngine
 from encdec_engine.engine.llm_engine import LLMEngine
+from encdec_engine.machine.threads import beside_engine_thread, single_threaded
 from encdec_engine.server import protocol as P
 from encdec_engine.server import audio, completions, info, realtime, routes
 from encdec_engine.server.errors import APIError, internal_error
@@ -112,9 +115,22 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # The event loop's own torch work (voice detection) and its workers' (uploads decoded, long files'
+        # log-mels) run on one thread each, beside the engine thread's steps, which keep the cores.
+        beside_engine_thread()
+        # What was built up to now (the model, tokenizer, libraries: 200,000 objects) lives as long as the
+        # server: out of the collector's reach while it serves, a full collection walks only what requests made
+        # since; back within it once the server stops (an app dropped is freed).
+        gc.collect()
+        gc.freeze()
+        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
+            thread_name_prefix="encdec-server", initializer=single_threaded))
         async_engine.start()
-        yield
-        await async_engine.shutdown(timeout=shutdown_timeout)
+        try:
+            yield
+            await async_engine.shutdown(timeout=shutdown_timeout)
+        finally:
+            gc.unfreeze()
 
     app = FastAPI(title="encdec-engine", summary="OpenAI-compatible serving of encoder/decoder models",
                   lifespan=lifespan, docs_url=None, redoc_url=routes.REDOC, openapi_url=routes.OPENAPI)

@@ -6,9 +6,11 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
+import torch
 from helpers import make_whisper
 
 from encdec_engine.config import EngineConfig
@@ -175,3 +177,29 @@ def test_a_count_another_library_set_is_put_back_before_each_step(tmp_path, make
     assert [r.getMessage() for r in caplog.records] == [
         "torch's CPU threads were set to 1 by something else in this process (importing silero_vad sets 1); "
         "the engine keeps its 2"]
+
+
+def _in_thread(fn):
+    box = []
+    t = threading.Thread(target=lambda: box.append(fn()))
+    t.start()
+    t.join()
+    return box[0]
+
+
+def test_a_thread_beside_the_engine_runs_one_torch_thread_and_releases_its_openmp_workers():
+    """The threads' counts are their own (OpenMP's per-thread setting): the engine thread keeps its count
+    while the thread beside it runs on one, and that thread's idle team is freed (a second team made the
+    engine thread's workers sleep between parallel regions: threads.beside_engine_thread)."""
+    from encdec_engine.machine.threads import _openmp_runtimes, beside_engine_thread, release_openmp_pool
+
+    assert any("libgomp" in p or "omp" in p for p in _openmp_runtimes())  # torch's Linux wheels bring libgomp
+
+    def beside():
+        torch.ones(256, 256) @ torch.ones(256, 256)  # a parallel region: this thread now holds a team
+        beside_engine_thread()
+        return torch.get_num_threads(), release_openmp_pool()
+
+    before = torch.get_num_threads()
+    assert _in_thread(beside) == (1, True)
+    assert torch.get_num_threads() == before  # this thread's count is untouched
