@@ -116,7 +116,10 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # The event loop's own torch work (voice detection) and its workers' (uploads decoded, long files'
-        # log-mels) run on one thread each, beside the engine thread's steps, which keep the cores.
+        # log-mels) run on one thread each, beside the engine thread's steps, which keep the cores; and the
+        # workers are `preprocess_workers` (2), not asyncio's cores + 4: at 64 clients six of them decoding
+        # and featurizing at once took the cores from the engine's parallel regions (2 cores, tiny.en bf16:
+        # 128 requests in 33.5 s with six, 25-27 s with one or two, where 16 clients take 4 requests a second).
         beside_engine_thread()
         # What was built up to now (the model, tokenizer, libraries: 200,000 objects) lives as long as the
         # server: out of the collector's reach while it serves, a full collection walks only what requests made
@@ -124,7 +127,7 @@ def build_app(model: str | None = None, *, engine: LLMEngine | AsyncLLMEngine | 
         gc.collect()
         gc.freeze()
         asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
-            thread_name_prefix="encdec-server", initializer=single_threaded))
+            state.limits.preprocess_workers, thread_name_prefix="encdec-server", initializer=single_threaded))
         async_engine.start()
         try:
             yield
@@ -201,8 +204,11 @@ def run_server(model: str, *, host: str = "127.0.0.1", port: int = 8000, limits:
                     **engine_kwargs)
     state: ServerState = app.state.server
     logger.info("serving %r: %s", state.model_name, state.engine.engine.describe())
+    # No per-message deflate on websockets: the realtime sessions' messages are base64 audio, which it shrinks by
+    # about a quarter, and compressing and inflating every 100 ms chunk cost both ends CPU the engine needs (a client
+    # that asks for it gets plain frames, as the protocol allows).
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout)
+                            timeout_graceful_shutdown=shutdown_timeout, ws_per_message_deflate=False)
     uvicorn_server(config, state).run()
 
 

@@ -47,7 +47,8 @@ class ServerLimits:
     body_grace_s: float = 10.0
     # Tokens one completion request may ask the engine for: prompts x best_of x max_tokens x (1 + logprobs).
     max_request_tokens: int = 65536
-    preprocess_workers: int = 2  # audio decodes / log-mels computed at once (off the event loop)
+    # Audio decodes / log-mels computed at once (off the event loop), and the server's worker threads.
+    preprocess_workers: int = 2
     # Realtime transcription sessions (/v1/realtime) open at once; the next client gets an error event and
     # the close code 1013 (try again later).
     max_realtime_sessions: int = 32
