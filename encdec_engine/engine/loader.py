@@ -145,6 +145,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         # already trade exactness, and oneDNN multiplies bf16 natively.
         bf16 = (plan.bf16 or config.quantization == "int8") and bf16_native()
         backend.onednn_attention = torch.bfloat16 if bf16 else torch.float32
+        backend.amx_flash = bf16 and torch.cpu._is_amx_tile_supported()  # torch's flash kernel on the AMX tiles
     if hasattr(backend, "fused_decode") and device.type == "cpu" and config.torch_kv_cache_dtype == torch.float32:
         backend.fused_decode = cpu_decode.load()  # decode reads straight from the fp32 pool, where it builds
 

@@ -435,6 +435,29 @@ def test_long_prefill_attention_in_bf16_stays_close():
     torch.testing.assert_close(out.double(), naive_attention(q, k, v, 32**-0.5), rtol=0.0, atol=2e-2)
 
 
+def test_long_prefill_attention_through_amx_flash_stays_close_and_is_taken_per_long_sequence(monkeypatch):
+    """bf16 engines on AMX CPUs: torch's flash kernel in bf16 for each long sequence (the short one stays
+    on SDPA in its own dtype), within bf16's rounding of the fp64 result; the output keeps the query's dtype."""
+    from encdec_engine.attention.ops import onednn_attention
+
+    torch.manual_seed(7)
+    lens, heads, kv_heads, head_dim = [700, 40, 520], 4, 2, 32
+    calls = []
+    flash = onednn_attention.amx_flash
+    monkeypatch.setattr(onednn_attention, "amx_flash", lambda q, *a: (calls.append(q.shape[0]), flash(q, *a)))
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist()
+    view = make_view(lens, lens, False, key_start_loc=starts)
+    q = torch.randn(sum(lens), heads, head_dim)
+    k, v = torch.randn(sum(lens), kv_heads, head_dim), torch.randn(sum(lens), kv_heads, head_dim)
+    backend = TorchSDPABackend(BS)
+    backend.onednn_attention, backend.amx_flash = torch.bfloat16, True
+    out = backend.forward(q, k, v, None, view, head_dim**-0.5)
+    assert sorted(calls) == [520, 700] and out.dtype == torch.float32
+    reference = torch.cat([naive_attention(q[s : s + n], k[s : s + n], v[s : s + n], head_dim**-0.5)
+                           for s, n in zip(starts, lens)])
+    torch.testing.assert_close(out.double(), reference, rtol=0.0, atol=2e-2)
+
+
 def test_the_engine_gives_head_major_copies_room_for_every_cross_context_its_pool_holds(bart_path, make_llm):
     """Beyond the copies' budget a cross context is read from the pool on its own, two matmuls a layer: the
     budget is what the pool would take in fp32, so a full pool of cross contexts never gets there."""

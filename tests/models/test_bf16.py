@@ -55,6 +55,7 @@ def test_bf16_weights_fp32_pool_and_this_machines_kernels(tiny_en_bf16):
     assert bool(packed) == bf16_native()  # emulated bf16 stays on F.linear
     if bf16_native():
         assert engine.runner.backend.onednn_attention == torch.bfloat16
+    assert engine.runner.backend.amx_flash == (bf16_native() and torch.cpu._is_amx_tile_supported())
 
 
 def test_random_whisper_tokens_are_hf_bfloat16_argmax(tmp_path, make_llm):

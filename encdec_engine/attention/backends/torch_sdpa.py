@@ -169,6 +169,8 @@ class TorchSDPABackend:
         # Long bidirectional prefill attention through oneDNN matmuls in this dtype (ops/onednn_attention.py);
         # None: off. The loader turns it on where the machine's fp32 linears run on oneDNN.
         self.onednn_attention: torch.dtype | None = None
+        # With bf16 there on a CPU with AMX: torch's flash kernel in bf16 instead (onednn_attention.amx_flash).
+        self.amx_flash = False
         # Decode reads of an fp32 pool through the compiled kernel (ops/cpu_decode.py); None: through the
         # copies. The loader sets it for fp32 pools on the CPU where the kernel builds.
         self.fused_decode: DecodeKernel | None = None
@@ -294,10 +296,13 @@ class TorchSDPABackend:
             if (self.onednn_attention is not None and mask is None and not view.causal
                     and onednn_attention.applies(query, q_len, k_len)):
                 for i in seqs:
-                    onednn_attention.attend(query[q_loc[i] : q_loc[i + 1]], key[k_loc[i] : k_loc[i] + k_len],
-                                            value[k_loc[i] : k_loc[i] + k_len],
-                                            query.shape[-1] ** -0.5 if scale is None else scale,
-                                            out[q_loc[i] : q_loc[i + 1]], self.onednn_attention)
+                    args = (query[q_loc[i] : q_loc[i + 1]], key[k_loc[i] : k_loc[i] + k_len],
+                            value[k_loc[i] : k_loc[i] + k_len], query.shape[-1] ** -0.5 if scale is None else scale,
+                            out[q_loc[i] : q_loc[i + 1]])
+                    if self.amx_flash:
+                        onednn_attention.amx_flash(*args)
+                    else:
+                        onednn_attention.attend(*args, self.onednn_attention)
                 continue
             if len(seqs) == 1:
                 i = seqs[0]
