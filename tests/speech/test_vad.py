@@ -3,7 +3,6 @@ equal silero_vad.get_speech_timestamps on every test recording, and times map ba
 
 import subprocess
 import sys
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import torch
 from vad_audio import AUDIO, CLIPS, clip, fixtures, recording, silence, tone, white_noise
 
 from encdec_engine.inputs.audio import SAMPLE_RATE
+from encdec_engine.machine.threads import one_thread
 from encdec_engine.speech.options import TranscribeOptions
 from encdec_engine.speech.results import Segment, Word
 from encdec_engine.speech.timeline import SpeechTimeline
@@ -22,17 +22,6 @@ PARAMETERS = [
     VadOptions(threshold=0.6, neg_threshold=0.3, min_speech_duration_ms=250, max_speech_duration_s=3.0,
                min_silence_duration_ms=100, speech_pad_ms=30),  # silero's own defaults, and splits
 ]
-
-
-@contextmanager
-def one_thread():
-    """silero's frame loop is thousands of tiny calls: one thread keeps the reference quick."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
