@@ -106,6 +106,24 @@ def make_llm():
     return make
 
 
+@pytest.fixture(scope="module")
+def tiny_en(make_llm):
+    """The bundled Whisper tiny.en's engine (made once, kept by make_llm across modules)."""
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
+
+    return make_llm(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def hf_tiny_en():
+    """HF's model of the same checkpoint, the reference."""
+    from transformers import WhisperForConditionalGeneration
+
+    from encdec_engine.checkpoints.ct2.importer import default_model_path
+
+    return WhisperForConditionalGeneration.from_pretrained(default_model_path()).eval()
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_blocks():
     yield

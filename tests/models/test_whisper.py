@@ -24,16 +24,6 @@ def hf_tokens(model, features: torch.Tensor) -> list[list[int]]:
                 for f in features]
 
 
-@pytest.fixture(scope="module")
-def tiny_en(make_llm):
-    return make_llm(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def hf_tiny_en():
-    return WhisperForConditionalGeneration.from_pretrained(default_model_path()).eval()
-
-
 def test_transcribe_matches_hf_generate_on_every_clip(tiny_en, hf_tiny_en):
     results = tiny_en.transcribe([AUDIO / n for n in SHORT_CLIPS], **EXACT)
     features = log_mel_spectrogram([load_audio(AUDIO / n) for n in SHORT_CLIPS])

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import AUDIO
-from transformers import WhisperForConditionalGeneration
 
 from encdec_engine import SamplingParams
 from encdec_engine.checkpoints.ct2.importer import default_model_path
@@ -16,16 +15,6 @@ from encdec_engine.inputs.features import log_mel_spectrogram
 SOT, NO_TIMESTAMPS, EOT = 50257, 50362, 50256  # tiny.en
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 CLIPS = ("coffee.wav", "fox.wav", "weather.wav")
-
-
-@pytest.fixture(scope="module")
-def tiny_en(make_llm):
-    return make_llm(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def hf_tiny_en():
-    return WhisperForConditionalGeneration.from_pretrained(default_model_path()).eval()
 
 
 def prompt(samples, audio_ctx: int | None) -> dict:

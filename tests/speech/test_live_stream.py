@@ -30,13 +30,6 @@ MAX_TURN_WER = 0.0
 MAX_DELTA_WER = 0.06
 
 
-@pytest.fixture(scope="module")
-def tiny_en(make_llm):
-    from encdec_engine.checkpoints.ct2.importer import default_model_path
-
-    return make_llm(default_model_path())
-
-
 def recording(*clips: str, gap: float = 1.2) -> np.ndarray:
     """The clips with `gap` seconds of silence before each and after the last."""
     silence = np.zeros(int(gap * 16000), dtype=np.float32)

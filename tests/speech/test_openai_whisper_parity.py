@@ -20,13 +20,6 @@ from encdec_engine.inputs.audio import load_audio
 REFERENCE = json.loads((Path(__file__).resolve().parents[1] / "data" / "openai_whisper_reference.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def tiny_en(make_llm):
-    from encdec_engine.checkpoints.ct2.importer import default_model_path
-
-    return make_llm(default_model_path())
-
-
 def _samples(name: str):
     return build(name) if name in RECORDINGS else load_audio(AUDIO / name)
 

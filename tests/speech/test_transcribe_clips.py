@@ -16,13 +16,6 @@ AUDIO = Path(__file__).resolve().parents[2] / "prompts" / "audio"
 TRANSCRIPTS = json.loads((AUDIO / "transcripts.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def tiny_en(make_llm):
-    from encdec_engine.checkpoints.ct2.importer import default_model_path
-
-    return make_llm(default_model_path())
-
-
 def test_clips_transcribe_only_their_audio(tiny_en):
     full = tiny_en.transcribe(AUDIO / "long_meeting.flac")[0]
     clipped = tiny_en.transcribe(AUDIO / "long_meeting.flac", clip_timestamps="3,20,33.5")[0]

@@ -15,13 +15,6 @@ from encdec_engine.speech.transcriber import Transcriber
 EOT = 50256  # tiny.en's <|endoftext|>
 
 
-@pytest.fixture(scope="module")
-def tiny_en(make_llm):
-    from encdec_engine.checkpoints.ct2.importer import default_model_path
-
-    return make_llm(default_model_path())
-
-
 def _out(*candidates: tuple[int, float]) -> RequestOutput:
     """A finished window request whose candidates have `length` text tokens then <|endoftext|>,
     and a summed log-probability."""

@@ -15,13 +15,6 @@ from encdec_engine.speech.requests import WindowRequests
 AUDIO = Path(__file__).resolve().parents[2] / "prompts" / "audio"
 
 
-@pytest.fixture(scope="module")
-def tiny_en(make_llm):
-    from encdec_engine.checkpoints.ct2.importer import default_model_path
-
-    return make_llm(default_model_path())
-
-
 def _requests(tiny_en, **options) -> WindowRequests:
     return WindowRequests(tiny_en.engine, TranscribeOptions(language="en", **options),
                           _tokens(tiny_en))

@@ -18,13 +18,6 @@ MODES = {"sequential": dict(vad_filter=True), "chunked": dict(vad_filter=True, c
 
 
 @pytest.fixture(scope="module")
-def tiny_en(make_llm):
-    from encdec_engine.checkpoints.ct2.importer import default_model_path
-
-    return make_llm(default_model_path())
-
-
-@pytest.fixture(scope="module")
 def runs(tiny_en):
     """Transcripts of the fixtures (all in one call per setting), computed once: runs(mode, words)."""
     recs, done = fixtures(), {}
