@@ -101,7 +101,7 @@ class InputProcessor:
                              "{'prompt': '', 'multi_modal_data': {'audio': (samples, sample_rate)}} and put any "
                              "text in the decoder prompt")
         positions = self._audio_ctx(prompt.mm_processor_kwargs or {})
-        frames = N_FRAMES if positions is None else 2 * positions  # the encoder reads the window's first frames
+        frames = 2 * positions  # the encoder reads the window's first frames (all 3000 unless audio_ctx says)
         if "input_features" in mm:
             features = torch.as_tensor(mm["input_features"], dtype=torch.float32)
             if tuple(features.shape) != (self.num_mel_bins, N_FRAMES):
@@ -117,21 +117,20 @@ class InputProcessor:
             features = features[0, :, :frames]
         else:
             raise ValueError("an audio model needs multi_modal_data={'audio': (samples, sample_rate)}")
-        return EncoderSequence(num_positions=positions or self.model.encoder_num_positions(N_FRAMES),
-                               features=features, cache_key=content_key(features))
+        return EncoderSequence(num_positions=positions, features=features, cache_key=content_key(features))
 
-    def _audio_ctx(self, kwargs: dict) -> int | None:
+    def _audio_ctx(self, kwargs: dict) -> int:
         """`mm_processor_kwargs={"audio_ctx": n}`: the encoder reads the window's first n positions (2n mel
         frames, 20 ms each) instead of all 1500, as whisper.cpp's `audio_ctx`. The attention then sees no
         padding past them: a decode of a few seconds of audio costs what those seconds cost, and its text
-        may differ from the full window's (live transcription's interim decodes use it, never the final)."""
+        may differ from the full window's (live transcription's interim decodes use it, never the final).
+        Without it, the whole window's positions."""
         unknown = sorted(set(kwargs) - {"audio_ctx"})
         if unknown:
             raise ValueError(f"mm_processor_kwargs: unknown keys {unknown}; an audio model takes 'audio_ctx'")
-        n = kwargs.get("audio_ctx")
-        if n is None:
-            return None
         full = self.model.encoder_num_positions(N_FRAMES)
+        n = kwargs.get("audio_ctx")
+        n = full if n is None else n
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= full:
             raise ValueError(f"mm_processor_kwargs: audio_ctx must be an int of encoder positions in [1, {full}] "
                              f"(20 ms each; {full} is the whole 30 s window), got {n!r}")

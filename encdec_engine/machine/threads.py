@@ -87,7 +87,7 @@ def beside_engine_thread() -> None:
     steps run on the engine thread took 1.4x their time on the loading thread, at 1.4 cores of 2 (a
     64x384x1536 matmul: 384 us against 284 us, 1.6 cores against 2.0; a fresh thread that never ran a
     parallel region costs nothing)."""
-    torch.set_num_threads(1)
+    single_threaded()
     release_openmp_pool()
 
 
