@@ -52,8 +52,8 @@ class WhisperEncoder(nn.Module):
 
     def embed(self, features: torch.Tensor) -> torch.Tensor:
         """[n, n_mels, 2 * positions] -> [n * positions, d_model]: the convolutions and the first `positions`
-        positional embeddings."""
-        x = F.gelu(self.conv2(F.gelu(self.conv1(features)))).permute(0, 2, 1)
+        positional embeddings (features in the weights' dtype: log-mels come as fp32)."""
+        x = F.gelu(self.conv2(F.gelu(self.conv1(features.to(self.conv1.weight.dtype))))).permute(0, 2, 1)
         return (x + self.embed_positions.weight[: x.shape[1]]).reshape(-1, x.shape[-1])
 
 
@@ -119,10 +119,7 @@ class WhisperForConditionalGeneration(nn.Module):
         return [layer.fc2 for layer in self.encoder.layers]
 
     def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
-        dtype = self.encoder.conv1.weight.dtype
-        features = inputs.features
-        features = [f.to(dtype) for f in features] if isinstance(features, list) else features.to(dtype)
-        return self.encoder(features, metadata)
+        return self.encoder(inputs.features, metadata)
 
     def forward(self, input_ids, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:
         return self.decoder(input_ids, positions, kv_caches, metadata, encoder_hidden)
