@@ -45,7 +45,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def amx_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """The same attention through torch's flash kernel in bf16 (bf16 operands, fp32 sums and softmax), for
     CPUs with AMX: there its block products run on the AMX tiles (oneDNN's brgemm), and the scores never
-    leave the cache. On a 2-core AMX Xeon (2026-11-28), 6 x 1,500 x 64 (tiny): 7.1 ms against 24.2 ms
+    leave the cache. On a 2-core AMX Xeon (2026-11-28, one-off), 6 x 1,500 x 64 (tiny): 7.1 ms against 24.2 ms
     here in bf16 (22-24 ms; flash in fp32 52 ms), largest difference from fp64 1.4e-3 against 4.6e-3."""
     q, k, v = (t.transpose(0, 1).unsqueeze(0).to(torch.bfloat16) for t in (query, key, value))  # [1, H, len, D]
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -67,7 +67,7 @@ class LiveOptions:
     # The interim (partial) decodes' encoder reads the buffer plus this much of the window's padding, rounded up
     # to whole seconds, instead of the whole 30 s window (whisper.cpp's audio_ctx): an interim decode costs what
     # its audio costs. None: every decode reads the whole window. The final decode always reads the whole window.
-    # tiny.en, 29 prefixes of the bundled clips: with no padding the decodes looped (13 ran on), with 1 s or
+    # tiny.en, 29 prefixes of the bundled clips (one-off): no padding looped 13 of them (ran on), 1 s or
     # more none did, 9-13% WER from the whole window's text (which is itself a guess at a prefix), 7-12x faster.
     interim_padding_seconds: float | None = 2.0
 
