@@ -102,11 +102,8 @@ class EngineConfig:
 
     @property
     def torch_kv_cache_dtype(self) -> torch.dtype:
-        """The KV pool's element type: int8 (values + their scales, packed per row) or the model's dtype, but
-        fp32 for a bf16 model on the CPU: it holds the bf16 values exactly, and the CPU's attention paths
-        (the compiled decode kernel among them) read fp32."""
+        """The KV pool's element type: int8 (values + their scales, packed per row) or the model's dtype
+        (a bf16 model on the CPU keeps bf16: its decode reads widen each value to fp32 as they read it)."""
         if self.kv_cache_dtype == "int8":
             return torch.int8
-        if self.torch_dtype == torch.bfloat16 and self.torch_device.type == "cpu":
-            return torch.float32
         return self.torch_dtype

@@ -1,18 +1,21 @@
 """Decode attention on the CPU: the compiled kernel reading the paged pool against the head-major copies.
 
-One decode step's attention reads (one query per sequence and head) through the torch backend two ways,
+One decode step's attention reads (one query per sequence and head) through the torch backend three ways,
 interleaved round by round:
 
-    kernel   attention/ops/cpu_decode.py: straight from the pool's blocks
+    kernel   attention/ops/cpu_decode.py: straight from the pool's blocks (fp32, an fp32 model's pool)
+    bf16     the kernel over a bf16 pool of the same values (a bf16 model's pool): half the bytes
     copies   the backend without it: cross contexts from head-major copies (`HeadMajorContexts`), self
              contexts from per-sequence rows (`SelfRows`), both in attention/backends/cpu_copies.py;
              the copies are made before the timing starts, so only their reads are timed
 
 Each case has as many layers (pools) as a model of its shape, read in turn as a step reads them, so no
 read finds the one before it in cache; a self case's contexts grow by a key each round, as decode
-steps grow them (the copies' rows append it). Printed: the CPU model and flags, ms per layer (best of
---rounds), the kernel's speed-up, the bytes of K/V read per second, and the largest difference between
-the two ways' outputs.
+steps grow them (the copies' rows append it). Every value is a bf16 value (held exactly by the
+fp32 pool). Printed: the CPU model and flags, ms per layer (best of --rounds), the kernel's speed-up over
+the copies and the bf16 pool's over the fp32 one, the fp32 kernel's bytes of K/V read per second, the
+largest difference between the kernel's and the copies' outputs, and whether the bf16 pool's equal the
+fp32 pool's to the bit.
 
     python scripts/bench_decode_attention.py [--threads 2] [--rounds 5]
 """
@@ -60,7 +63,7 @@ def build(case, steps: int, seed: int = 0):
     for m in room:
         tables.append(order[used : used + -(-m // BLOCK_SIZE)].tolist())
         used += len(tables[-1])
-    pools = [torch.randn(2, num_blocks, BLOCK_SIZE, heads, dim) for _ in range(layers)]
+    pools = [torch.randn(2, num_blocks, BLOCK_SIZE, heads, dim).bfloat16().float() for _ in range(layers)]
 
     def view(step: int):
         keys = [m + step for m in lens] if causal else lens
@@ -70,7 +73,8 @@ def build(case, steps: int, seed: int = 0):
         view = AttentionView.from_arrays(np.arange(n + 1), keys, causal, block_tables=table, slot_mapping=slots)
         view.seq_ids = list(range(n)) if causal else None  # the rows the copies keep per sequence
         return view
-    queries = [torch.randn(3, n, heads, dim) for _ in range(layers)]  # the query, and a self step's new K/V
+    # the query, and a self step's new K/V
+    queries = [torch.randn(3, n, heads, dim).bfloat16().float() for _ in range(layers)]
     return pools, view, queries, sum(lens) * heads * dim * 2 * 4
 
 
@@ -109,21 +113,25 @@ def main() -> int:
         print("the kernel does not build here (the log says why): nothing to compare")
         return 1
     print(f"threads {args.threads}; kernel {kernel.path}")
-    print(f"{'case':42s} {'kernel ms':>10s} {'copies ms':>10s} {'speed-up':>9s} {'kernel GB/s':>12s} {'max diff':>9s}")
+    print(f"{'case':42s} {'kernel ms':>10s} {'bf16 ms':>8s} {'copies ms':>10s} {'speed-up':>9s} {'bf16 x':>7s} "
+          f"{'kernel GB/s':>12s} {'max diff':>9s} {'bf16 same':>9s}")
     with torch.inference_mode():
         for name, case in CASES.items():
             pools, views, queries, nbytes = build(case, args.rounds + 1)
-            steps = {"kernel": way(kernel, pools, views), "copies": way(None, pools, views)}
+            steps = {"kernel": way(kernel, pools, views), "bf16": way(kernel, [p.bfloat16() for p in pools], views),
+                     "copies": way(None, pools, views)}
             outs = {k: step(0, queries) for k, step in steps.items()}  # the copies made; the outputs compared
             diff = max((a - b).abs().max().item() for a, b in zip(outs["kernel"], outs["copies"]))
+            same = all(torch.equal(a, b) for a, b in zip(outs["kernel"], outs["bf16"]))
             best = {k: float("inf") for k in steps}
             for r in range(1, args.rounds + 1):
                 for k, step in steps.items():
                     t0 = time.perf_counter()
                     step(r, queries)
                     best[k] = min(best[k], (time.perf_counter() - t0) / len(pools))
-            print(f"{name:42s} {best['kernel'] * 1e3:10.3f} {best['copies'] * 1e3:10.3f} "
-                  f"{best['copies'] / best['kernel']:8.2f}x {nbytes / best['kernel'] / 1e9:12.1f} {diff:9.1e}")
+            print(f"{name:42s} {best['kernel'] * 1e3:10.3f} {best['bf16'] * 1e3:8.3f} {best['copies'] * 1e3:10.3f} "
+                  f"{best['copies'] / best['kernel']:8.2f}x {best['kernel'] / best['bf16']:6.2f}x "
+                  f"{nbytes / best['kernel'] / 1e9:12.1f} {diff:9.1e} {'yes' if same else 'NO':>9s}")
     return 0
 
 

@@ -146,8 +146,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         bf16 = (plan.bf16 or config.quantization == "int8") and bf16_native()
         backend.onednn_attention = torch.bfloat16 if bf16 else torch.float32
         backend.amx_flash = bf16 and torch.cpu._is_amx_tile_supported()  # torch's flash kernel on the AMX tiles
-    if hasattr(backend, "fused_decode") and device.type == "cpu" and config.torch_kv_cache_dtype == torch.float32:
-        backend.fused_decode = cpu_decode.load()  # decode reads straight from the fp32 pool, where it builds
+    if hasattr(backend, "fused_decode") and device.type == "cpu" and config.torch_kv_cache_dtype in cpu_decode.POOL_DTYPES:
+        backend.fused_decode = cpu_decode.load()  # decode reads straight from the pool, where it builds
 
     eos = hf_config.eos_token_id
     if isinstance(eos, list):

@@ -91,10 +91,11 @@ def dequantize_kv(rows: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.
 
 
 def read_rows(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows [..., row_width] as values [..., head_dim] of `dtype` (dequantized if int8)."""
+    """Cache rows [..., row_width] as values [..., head_dim] of `dtype` (dequantized if int8, widened
+    from a bf16 pool to fp32)."""
     if rows.dtype == torch.int8:
         return dequantize_kv(rows, head_dim, dtype)
-    return rows
+    return rows.to(dtype)
 
 
 def attend_int8_rows(

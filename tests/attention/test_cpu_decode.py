@@ -32,21 +32,21 @@ def test_the_kernel_builds_where_there_is_a_compiler():
     assert KERNEL is not None
 
 
-def pool(lens, num_kv_heads, dim, block_size, rng, width=None):
-    """Contexts stored at shuffled blocks of a pool [2, blocks, block_size, Hkv, width]; returns the pool,
-    int64 tables, and each context's keys and values."""
+def pool(lens, num_kv_heads, dim, block_size, rng, width=None, dtype=torch.float32):
+    """Contexts stored at shuffled blocks of a pool [2, blocks, block_size, Hkv, width] of `dtype`; returns
+    the pool, int64 tables, and each context's keys and values (fp32, as stored)."""
     width = width or dim
     num_blocks = sum(-(-n // block_size) for n in lens) + 2
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, width)  # garbage everywhere else
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, width).to(dtype)  # garbage everywhere else
     free = list(rng.permutation(num_blocks))
     tables, ks, vs = [], [], []
     for n in lens:
         table = [int(free.pop()) for _ in range(-(-n // block_size))]
-        k, v = torch.randn(n, num_kv_heads, dim), torch.randn(n, num_kv_heads, dim)
+        k, v = (torch.randn(n, num_kv_heads, dim).to(dtype).float() for _ in range(2))
         pos = np.arange(n)
         slots = torch.tensor(np.array(table)[pos // block_size] * block_size + pos % block_size)
-        cache[0].view(-1, num_kv_heads, width)[slots, :, :dim] = k
-        cache[1].view(-1, num_kv_heads, width)[slots, :, :dim] = v
+        cache[0].view(-1, num_kv_heads, width)[slots, :, :dim] = k.to(dtype)
+        cache[1].view(-1, num_kv_heads, width)[slots, :, :dim] = v.to(dtype)
         tables.append(table)
         ks.append(k)
         vs.append(v)
@@ -61,9 +61,10 @@ def pool(lens, num_kv_heads, dim, block_size, rng, width=None):
     (3, 3, 12, 8, [7, 1, 30], 15),  # odd heads; rows wider than the head (an int8-sized row's room)
     (6, 6, 64, 16, [1 + (7 * i) % 61 for i in range(40)], None),  # many sequences: one task each
 ])
-def test_kernel_matches_naive_attention(heads, kv_heads, dim, block_size, lens, width):
+@pytest.mark.parametrize("dtype", cpu_decode.POOL_DTYPES)
+def test_kernel_matches_naive_attention(heads, kv_heads, dim, block_size, lens, width, dtype):
     torch.manual_seed(0)
-    cache, tables, ks, vs = pool(lens, kv_heads, dim, block_size, np.random.default_rng(0), width)
+    cache, tables, ks, vs = pool(lens, kv_heads, dim, block_size, np.random.default_rng(0), width, dtype)
     query = torch.randn(len(lens), heads, dim)
     bias = torch.randn(len(lens), heads, max(lens))
     for mask in (None, bias):
@@ -71,6 +72,18 @@ def test_kernel_matches_naive_attention(heads, kv_heads, dim, block_size, lens, 
         for i, n in enumerate(lens):
             ref = naive_attention(query[i : i + 1], ks[i], vs[i], 1.0, None if mask is None else mask[i, :, None, :n])
             torch.testing.assert_close(out[i : i + 1].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [64, 24, 80])
+def test_a_bf16_pool_reads_to_the_bits_of_an_fp32_pool_of_the_same_values(dim):
+    """The kernel widens bf16 as it reads and sums in a fixed order: a bf16 model's transcripts do not move
+    with the pool's type."""
+    lens = [1500, 37, 5, 160]
+    cache, tables, _, _ = pool(lens, 6, dim, 16, np.random.default_rng(4), dtype=torch.bfloat16)
+    query = torch.randn(len(lens), 6, dim)
+    bf16 = KERNEL.attend(query, cache, tables, torch.tensor(lens), max(lens))
+    assert torch.equal(bf16, KERNEL.attend(query, cache.float(), tables, torch.tensor(lens), max(lens)))
 
 
 @needs_kernel
@@ -83,6 +96,8 @@ def test_kernel_reads_strided_queries_and_refuses_what_it_cannot_read():
     torch.testing.assert_close(out, KERNEL.attend(query.contiguous(), cache, tables, torch.tensor([6, 3]), 6))
     with pytest.raises(ValueError, match="unsupported operands"):
         KERNEL.attend(query, cache.to(torch.int8), tables, torch.tensor([6, 3]), 6)
+    with pytest.raises(ValueError, match="unsupported operands"):
+        KERNEL.attend(query, cache.half(), tables, torch.tensor([6, 3]), 6)
     with pytest.raises(ValueError, match="unsupported operands"):  # longer than the tables reach
         KERNEL.attend(query, cache, tables, torch.tensor([6, 9]), 9)
     with pytest.raises(ValueError, match="outside the pool"):  # a block id past the pool's end
@@ -94,10 +109,11 @@ def test_kernel_reads_strided_queries_and_refuses_what_it_cannot_read():
 @needs_kernel
 @pytest.mark.parametrize("bias_kind", [None, "t5", "alibi"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_backend_reads_decode_steps_through_the_kernel_as_through_its_copies(causal, bias_kind):
+@pytest.mark.parametrize("dtype", cpu_decode.POOL_DTYPES)
+def test_backend_reads_decode_steps_through_the_kernel_as_through_its_copies(causal, bias_kind, dtype):
     torch.manual_seed(2)
     heads, dim, block_size, lens = 4, 8, 4, [1, 9, 4, 17, 12]
-    cache, tables, ks, vs = pool(lens, heads, dim, block_size, np.random.default_rng(2))
+    cache, tables, ks, vs = pool(lens, heads, dim, block_size, np.random.default_rng(2), dtype=dtype)
     bias = {None: None, "alibi": alibi_bias(alibi_slopes(heads), 32),
             "t5": t5_position_bias(torch.randn(8, heads), *t5_bucket_index(False, 8, 16))}[bias_kind]
     outs = {}
@@ -289,6 +305,6 @@ def test_operands_laid_out_unlike_the_c_struct_are_refused_at_load(tmp_path, mon
     cpu_decode.load.cache_clear()
     try:
         assert cpu_decode.load() is None
-        assert "its struct decode_args (21 fields, 168 bytes" in caplog.text and "is not DecodeArgs" in caplog.text
+        assert "its struct decode_args (22 fields, 176 bytes" in caplog.text and "is not DecodeArgs" in caplog.text
     finally:
         cpu_decode.load.cache_clear()

@@ -1,5 +1,6 @@
 """bf16 on the CPU (`dtype="bfloat16"`): weights and activations in bf16, the linears on oneDNN's packed bf16
-where the CPU multiplies bf16 natively, the cache read in fp32 (the pool holds the bf16 values exactly).
+where the CPU multiplies bf16 natively, a bf16 KV pool read in fp32 (the decode kernel widens each value as it
+reads it; the copies and gathers widen what they copy).
 Checked against HF `generate` in bf16: token for token on tiny.en's real weights, and on random weights
 (flat logits, where rounding decides near-ties) every engine token is HF's argmax or within a few rounding steps
 of it when HF is fed the engine's own tokens."""
@@ -10,6 +11,7 @@ from helpers import AUDIO, SHORT_CLIPS, hf_greedy, make_whisper, mixed_prompts
 from transformers import AutoModelForSeq2SeqLM, WhisperForConditionalGeneration
 
 from encdec_engine import SamplingParams
+from encdec_engine.attention.ops import cpu_decode
 from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.inputs.audio import load_audio
 from encdec_engine.inputs.features import log_mel_spectrogram
@@ -33,7 +35,13 @@ def tiny_en_bf16(make_llm):
     return make_llm(default_model_path(), dtype="bfloat16")
 
 
-def test_tiny_en_transcripts_equal_hf_bfloat16(tiny_en_bf16):
+@pytest.mark.parametrize("reads", ["kernel", "copies"])
+def test_tiny_en_transcripts_equal_hf_bfloat16(tiny_en_bf16, reads, monkeypatch):
+    backend = tiny_en_bf16.engine.runner.backend
+    if reads == "copies":  # the bf16 pool read through the fp32 copies, as where the kernel cannot be built
+        monkeypatch.setattr(backend, "fused_decode", None)
+    elif backend.fused_decode is None:
+        pytest.skip("the compiled decode kernel is not available here")
     results = tiny_en_bf16.transcribe([AUDIO / n for n in SHORT_CLIPS], timestamps=False, temperatures=(0.0,))
     features = log_mel_spectrogram([load_audio(AUDIO / n) for n in SHORT_CLIPS])
     model = WhisperForConditionalGeneration.from_pretrained(default_model_path(), dtype=torch.bfloat16).eval()
@@ -46,11 +54,12 @@ def test_tiny_en_transcripts_equal_hf_bfloat16(tiny_en_bf16):
         assert prompt + result.segments[0].tokens + [50256] == ref, name
 
 
-def test_bf16_weights_fp32_pool_and_this_machines_kernels(tiny_en_bf16):
+def test_bf16_weights_bf16_pool_and_this_machines_kernels(tiny_en_bf16):
     engine = tiny_en_bf16.engine
     model = engine.runner.model
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert engine.kv_cache_dtype == torch.float32  # bf16 values held exactly; the CPU's decode paths read fp32
+    assert engine.kv_cache_dtype == torch.bfloat16  # half an fp32 pool's bytes per token
+    assert engine.runner.backend.fused_decode is cpu_decode.load()  # it reads bf16 pools too
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert bool(packed) == bf16_native()  # emulated bf16 stays on F.linear
     if bf16_native():

@@ -8,10 +8,10 @@ A position bias (attention/position_bias.py) becomes an additive mask of the
 same extent: [heads, q, k] per sequence shape, [num_seqs, heads, max_q, max_key]
 per padded batch (made once per step and bias, shared by the layers), or
 [heads, key_len] rows added to the scores of an in-place decode read.
-Decode reads (one query per sequence) of an fp32 pool go straight to the pool
-through a compiled kernel where the machine has one (`PagedDecodePlan`,
+Decode reads (one query per sequence) of an fp32 or bf16 pool go straight to the
+pool through a compiled kernel where the machine has one (`PagedDecodePlan`,
 ops/cpu_decode.py). Otherwise decode reads of a cross context read in place (fp32,
-or an int8 pool's rows dequantized) go through a head-major copy of it
+bf16 widened, or an int8 pool's rows dequantized) go through an fp32 head-major copy of it
 (`HeadMajorContexts`), kept while decode steps read it; a decode step of several
 sequences reads their self contexts from rows it appends to (`SelfRows`; both in
 cpu_copies.py).
@@ -34,6 +34,7 @@ from encdec_engine.attention.ops import onednn_attention
 from encdec_engine.attention.ops.cpu_decode import DecodeKernel
 from encdec_engine.attention.position_bias import PositionBias
 
+_COPIED = (torch.float32, torch.bfloat16, torch.int8)  # pools whose rows the fp32 copies hold (bf16 widened)
 _SLICE_MIN_KEYS = 128  # below this, one padded gather beats a loop over sequences (a lone one reads in place)
 
 
@@ -171,8 +172,8 @@ class TorchSDPABackend:
         self.onednn_attention: torch.dtype | None = None
         # With bf16 there on a CPU with AMX: torch's flash kernel in bf16 instead (onednn_attention.amx_flash).
         self.amx_flash = False
-        # Decode reads of an fp32 pool through the compiled kernel (ops/cpu_decode.py); None: through the
-        # copies. The loader sets it for fp32 pools on the CPU where the kernel builds.
+        # Decode reads of an fp32 or bf16 pool through the compiled kernel (ops/cpu_decode.py); None: through
+        # the copies. The loader sets it for such pools on the CPU where the kernel builds.
         self.fused_decode: DecodeKernel | None = None
 
     def blocks_written(self, blocks: list[int]) -> None:
@@ -227,9 +228,10 @@ class TorchSDPABackend:
             if not view.reads_cache:  # attend to the K/V as the cache holds them (int8: rounded)
                 key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
         if view.reads_cache and query.dtype == torch.bfloat16 and query.device.type == "cpu":
-            # A bf16 model on the CPU reads its cache in fp32: the pool holds its bf16 values exactly
-            # (EngineConfig.torch_kv_cache_dtype), and the compiled decode kernel, the self rows and the
-            # head-major copies read fp32, where torch's bf16 math attention upcasts every read (5x slower).
+            # A bf16 model on the CPU reads its bf16 cache in fp32: the compiled decode kernel widens each
+            # value as it reads it, the self rows and the head-major copies hold fp32, and the other reads
+            # widen the rows they gather (`read_rows`), where torch's bf16 math attention upcasts every
+            # read (5x slower).
             # Fresh K/V (prefill) are attended in bf16: oneDNN's native bf16 matmuls or SDPA's flash kernel.
             if key is not None and isinstance(view.plan, SelfRowsPlan):  # the only reader of this step's K/V
                 key, value = key.float(), value.float()
@@ -241,8 +243,7 @@ class TorchSDPABackend:
                     position_bias: PositionBias | None) -> torch.Tensor:
         if isinstance(view.plan, PagedDecodePlan):
             return self._attend_paged(query, kv_cache, view.plan, scale, position_bias)
-        if isinstance(view.plan, SelfRowsPlan) and query.dtype == torch.float32 and kv_cache.dtype in (torch.float32,
-                                                                                                    torch.int8):
+        if isinstance(view.plan, SelfRowsPlan) and query.dtype == torch.float32 and kv_cache.dtype in _COPIED:
             return self._attend_self_rows(query, key, value, kv_cache, view, scale, position_bias)
         return self._attend_cache(query, kv_cache, view, scale, position_bias)
 
@@ -388,7 +389,7 @@ class TorchSDPABackend:
         fold_scales = (kv_cache.dtype == torch.int8 and query.dtype == torch.float32 and num_groups(head_dim) == 1
                        and position_bias is None)
         head_major = (not view.causal and query.dtype == torch.float32 and position_bias is None
-                      and kv_cache.dtype in (torch.float32, torch.int8))
+                      and kv_cache.dtype in _COPIED)
         scaled = query if scale == 1.0 else query * scale  # the matmul paths' queries (1.0: the model scaled them)
         readers = plan.readers
         if head_major:

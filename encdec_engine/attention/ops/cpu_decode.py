@@ -1,4 +1,4 @@
-"""Decode attention read straight from the paged fp32 KV pool on the CPU, through one C kernel.
+"""Decode attention read straight from the paged KV pool (fp32 or bf16) on the CPU, through one C kernel.
 
 A decode step has one query per sequence and head. torch has no kernel for that shape over a paged
 pool: as batched matmuls each (sequence, head) is a product of one row, whose fixed cost outweighs
@@ -6,8 +6,10 @@ its bytes (BART-base, 256 sequences at 33 positions: 3,072 products of [1, 64] x
 ~14 GB/s), and the pool's layout [slot, head, dim] first needs head-major copies of the contexts.
 `cpu_decode.c` walks each sequence's blocks in order instead, every head of a key row at once,
 prefetching the rows ahead: the scores (q . k for every key and head), the softmax in torch, then the
-probabilities times the values, each pass reading the pool once at near the memory's speed. A few
-sequences (Whisper at batch 1) split their keys into runs instead, one task each.
+probabilities times the values, each pass reading the pool once at near the memory's speed. A bf16
+pool (a bf16 model's) is read as it is stored, each value widened to fp32 in the registers: half the
+bytes, the same fp32 sums. A few sequences (Whisper at batch 1) split their keys into runs instead,
+one task each.
 `scripts/bench_decode_attention.py` times it against the copies' reads.
 
 The kernel is compiled at first use for this machine (`cc -O3 -march=native -fopenmp`: AVX-512 on a
@@ -49,6 +51,7 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 TASKS_PER_THREAD = 4  # few sequences: split each one's keys into runs until the threads have this many tasks
 MIN_RUN = 64  # keys: a shorter run costs more in its partial sums than it spreads
+POOL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH  # mode bits that let others than the owner write
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -59,7 +62,7 @@ class DecodeArgs(ctypes.Structure):
     when it loads): the operands of one call, by name."""
 
     _fields_ = [("query", _P), ("query_seq_stride", _I), ("query_head_stride", _I), ("keys", _P), ("values", _P),
-                ("tables", _P), ("table_width", _I), ("lens", _P), ("num_seqs", _I), ("num_heads", _I),
+                ("kv_bf16", _I), ("tables", _P), ("table_width", _I), ("lens", _P), ("num_seqs", _I), ("num_heads", _I),
                 ("num_kv_heads", _I), ("head_dim", _I), ("width", _I), ("block_size", _I), ("max_len", _I),
                 ("splits", _I), ("scores", _P), ("probs", _P), ("partial", _P), ("out", _P), ("threads", _I)]
 
@@ -80,13 +83,13 @@ class DecodeKernel:
         """softmax(query . keys + mask) @ values for each sequence's one query over its cached keys.
 
         query [S, H, D] fp32 (scaled; its last dim contiguous), kv_cache [2, blocks, block_size, Hkv, W]
-        fp32 (contiguous, W >= D), tables [S, >= ceil(max_len / block_size)] int64 block ids, lens [S]
+        fp32 or bf16 (contiguous, W >= D), tables [S, >= ceil(max_len / block_size)] int64 block ids, lens [S]
         int64 keys per sequence (1..max_len), mask None or [S, H, max_len] added to the scores (a
         position bias; the kernel itself puts -inf past each sequence's length). `scratch`: two [S, H, max_len]
         fp32 tensors for the scores and probabilities, reused by a step's layers. Returns [S, H, D]."""
         num_seqs, num_heads, head_dim = query.shape
         _, _, block_size, num_kv_heads, width = kv_cache.shape
-        if (kv_cache.dtype != torch.float32 or query.dtype != torch.float32 or not kv_cache.is_contiguous()
+        if (kv_cache.dtype not in POOL_DTYPES or query.dtype != torch.float32 or not kv_cache.is_contiguous()
                 or query.stride(-1) != 1 or width < head_dim or num_heads % num_kv_heads
                 or tables.dtype != torch.int64 or lens.dtype != torch.int64 or not tables.is_contiguous()
                 or not lens.is_contiguous() or max_len > tables.shape[1] * block_size):
@@ -103,7 +106,8 @@ class DecodeKernel:
         out = torch.empty(num_seqs, num_heads, head_dim)
         partial = torch.empty(num_seqs, splits, num_heads, head_dim) if splits > 1 else out  # (unread at 1)
         args = DecodeArgs(query=query.data_ptr(), query_seq_stride=query.stride(0), query_head_stride=query.stride(1),
-                          keys=kv_cache[0].data_ptr(), values=kv_cache[1].data_ptr(), tables=tables.data_ptr(),
+                          keys=kv_cache[0].data_ptr(), values=kv_cache[1].data_ptr(),
+                          kv_bf16=int(kv_cache.dtype == torch.bfloat16), tables=tables.data_ptr(),
                           table_width=tables.shape[1], lens=lens.data_ptr(), num_seqs=num_seqs, num_heads=num_heads,
                           num_kv_heads=num_kv_heads, head_dim=head_dim, width=width, block_size=block_size,
                           max_len=max_len, splits=splits, scores=scores.data_ptr(), probs=probs.data_ptr(),
@@ -271,13 +275,26 @@ def _exists(folder_fd: int, name: str) -> bool:
 
 
 def _check(kernel: DecodeKernel) -> float:
-    """Largest difference from torch on a small paged case (GQA, ragged lengths, blocks out of order)."""
+    """Largest difference from torch on a small paged case (GQA, ragged lengths, blocks out of order),
+    over an fp32 pool and over a bf16 one."""
     gen = torch.Generator().manual_seed(0)
     block_size, heads, kv_heads, dim, lens = 4, 4, 2, 24, [1, 7, 12]
-    cache = torch.randn(2, 12, block_size, kv_heads, dim, generator=gen)
+    pool = torch.randn(2, 12, block_size, kv_heads, dim, generator=gen)
     tables = torch.tensor([[5, 0, 0], [3, 9, 0], [11, 1, 6]])
     query = torch.randn(len(lens), heads, dim, generator=gen)
-    got = kernel.attend(query, cache, tables, torch.tensor(lens), max(lens))
+    worst = 0.0
+    for dtype in POOL_DTYPES:
+        stored = pool.to(dtype)
+        got = kernel.attend(query, stored, tables, torch.tensor(lens), max(lens))
+        worst = max(worst, _difference(got, query, stored.float(), tables, lens))
+    return worst
+
+
+def _difference(got: torch.Tensor, query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
+                lens: list[int]) -> float:
+    """Largest difference of `got` from softmax(q . k) @ v over each sequence's paged keys, in torch."""
+    _, _, block_size, kv_heads, dim = cache.shape
+    heads = query.shape[1]
     worst = 0.0
     for i, n in enumerate(lens):
         slots = tables[i, torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
