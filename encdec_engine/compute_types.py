@@ -6,7 +6,10 @@ from __future__ import annotations
 # faster-whisper's compute types the engine runs, as (quantization, dtype). "auto": the fastest floating
 # type this machine runs (dtype "fastest": bf16 where the CPU multiplies it natively and the per-machine
 # calibration finds it faster, else fp32; machine/cpu_kernels.fastest_dtype). int8 is asked for by name.
-COMPUTE_TYPES = {"int8": ("int8", "float32"), "int8_float32": ("int8", "float32"), "float32": (None, "float32"),
+# "int8_bfloat16": int8 where int8 is fastest (the decoder's linears, read once a token) and bf16 where
+# bf16 is (the encoder's 1,500-row products): EngineConfig.bf16_encoder_int8_decoder.
+COMPUTE_TYPES = {"int8": ("int8", "float32"), "int8_float32": ("int8", "float32"),
+                 "int8_bfloat16": ("int8", "bfloat16"), "float32": (None, "float32"),
                  "bfloat16": (None, "bfloat16"), "auto": (None, "fastest"), "default": (None, "auto")}
 
 

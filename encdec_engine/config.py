@@ -80,8 +80,9 @@ class EngineConfig:
         if self.quantization == "int8" and self.torch_device.type != "cpu":
             raise ValueError("quantization='int8' runs on torch's CPU int8 kernels; use device='cpu' "
                              f"(got device {self.device!r})")
-        if self.quantization == "int8" and self.dtype not in ("auto", "float32"):
-            raise ValueError(f"quantization='int8' computes in float32 (the int8 kernels take fp32 activations); "
+        if self.quantization == "int8" and self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"quantization='int8' computes in float32 (the int8 kernels take fp32 activations), "
+                             f"or with dtype='bfloat16' runs the encoder in bf16 beside int8 decode; "
                              f"dtype={self.dtype!r} is not supported with it")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
@@ -99,6 +100,12 @@ class EngineConfig:
         if self.dtype == "fastest":
             raise ValueError("dtype='fastest' is resolved by the engine for this machine (LLMEngine)")
         return _DTYPES[self.dtype]
+
+    @property
+    def bf16_encoder_int8_decoder(self) -> bool:
+        """quantization='int8' with dtype='bfloat16' (compute type int8_bfloat16): the encoder in bf16, the
+        decoder's linears int8 with fp32 activations, the KV pool bf16."""
+        return self.quantization == "int8" and self.dtype == "bfloat16"
 
     @property
     def torch_kv_cache_dtype(self) -> torch.dtype:

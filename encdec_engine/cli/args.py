@@ -191,7 +191,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = None
                    help="CPU: int8 weights with per-channel scales for every linear")
     p.add_argument("--compute-type", default=None, metavar="{" + ",".join(COMPUTE_TYPES) + "}",
                    help="faster-whisper's spelling: int8 (or int8_float32) = --quantization int8; float32, bfloat16; "
-                        "auto = --dtype fastest (int8 is asked for by name)")
+                        "int8_bfloat16: Whisper's encoder in bf16, its decoder int8; auto = --dtype fastest (int8 is "
+                        "asked for by name)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="int8: KV cache rows quantized with per-group scales (about 4x the tokens of fp32)")
 

@@ -332,8 +332,15 @@ class LLMEngine:
     def num_total_blocks(self) -> tuple[int, int]:
         return self.block_manager.num_total_device_blocks, self.block_manager.num_total_swap_blocks
 
+    def compute_description(self) -> str:
+        """The model's compute type in words: its dtype, and where int8 weights run."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.config.bf16_encoder_int8_decoder:
+            return "bfloat16 encoder, int8 decoder"
+        return f"{dtype}, int8 weights" if self.config.quantization == "int8" else dtype
+
     def describe(self) -> str:
         """What runs where, for start-up logs: model, architecture, device, dtype, CPU threads, KV blocks."""
         return (f"model {self.config.model} ({type(self.model).__name__}) on {self.device}, "
-                f"{str(self.dtype).removeprefix('torch.')}, {self.threads} CPU threads, "
+                f"{self.compute_description()}, {self.threads} CPU threads, "
                 f"KV pool of {self.kv_pool.num_blocks} blocks x {self.config.block_size} tokens")

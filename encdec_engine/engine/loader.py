@@ -106,6 +106,22 @@ def read_model_config(path: Path):
     return AutoConfig.from_pretrained(path)
 
 
+def encoder_in_bf16(model: nn.Module, config: EngineConfig) -> nn.Module:
+    """The encoder of compute type int8_bfloat16, turned bf16 (its decoder stays fp32 for the int8 linears).
+    Only a model whose encoder shares no weight with the rest and hands its output over in the decoder's
+    dtype (`encoder_output_in_decoder_dtype`: Whisper) can be split so."""
+    name = type(model).__name__
+    if not getattr(model, "encoder_output_in_decoder_dtype", False):
+        raise ValueError(f"{config.model}: compute type int8_bfloat16 (quantization='int8', dtype='bfloat16') runs "
+                         f"an encoder in bf16 beside an int8 decoder; {name} has "
+                         f"{'an encoder that shares weights with its decoder' if model.is_encoder_decoder else 'no encoder'}"
+                         f": use compute type int8 or bfloat16")
+    encoder = model.encoder
+    rest = {id(p) for n, p in model.named_parameters() if not n.startswith("encoder.")}
+    assert not any(id(p) in rest for p in encoder.parameters()), f"{name}'s encoder shares weights with its decoder"
+    return encoder.to(torch.bfloat16)
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     path = resolve_model_path(config.model)
     hf_config = read_model_config(path)
@@ -134,11 +150,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
         model.load_weights(iter_checkpoint(path, files))
     except ValueError as e:  # a tensor of the wrong shape, one missing or left over
         raise ValueError(f"{path}: the weights ({', '.join(f.name for f in files)}) do not fit config.json: {e}") from e
-    model = model.to(device=device, dtype=dtype).eval()
+    mixed = config.bf16_encoder_int8_decoder
+    model = model.to(device=device, dtype=torch.float32 if mixed else dtype).eval()
+    bf16_part = encoder_in_bf16(model, config) if mixed else None
     for module in model.modules():
         if isinstance(module, EncDecAttention):
             module.fold_query_scaling()
-    plan = prepare_cpu_linears(model, config.quantization)  # this machine's fp32, bf16 or int8 kernels (machine/)
+    plan = prepare_cpu_linears(model, config.quantization, bf16_part)  # this machine's fp32, bf16 or int8 kernels
     if plan is not None and hasattr(backend, "onednn_attention") and (plan.bf16 or machine_plan(int8=False).fp32
                                                                       == "onednn"):
         # Long prefill attention on the linears' library; in bf16 where the model is bf16 or int8 weights

@@ -118,8 +118,11 @@ class WhisperForConditionalGeneration(nn.Module):
         they take a scale per row where the machine allows (machine/cpu_kernels.py), else fp32."""
         return [layer.fc2 for layer in self.encoder.layers]
 
+    # Its encoder may run in another dtype than its decoder (compute type int8_bfloat16: engine/loader.py)
+    encoder_output_in_decoder_dtype = True
+
     def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.encoder(inputs.features, metadata)
+        return self.encoder(inputs.features, metadata).to(self.decoder.layer_norm.weight.dtype)
 
     def forward(self, input_ids, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:
         return self.decoder(input_ids, positions, kv_caches, metadata, encoder_hidden)

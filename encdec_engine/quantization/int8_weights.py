@@ -290,5 +290,5 @@ def quantize_linears(model: nn.Module, decode_kernel: str = "fbgemm", keep: Coll
     activations quantized a row at a time); returns how many (the float weights go)."""
     row_weights = [m.weight for m in per_row]
     rows = replace_linears(model, partial(Int8Linear, rows=True),
-                           lambda w: is_float_cpu(w) and any(w is r for r in row_weights))
+                           lambda w: is_float_cpu(w) and any(w is r for r in row_weights), keep)
     return rows + replace_linears(model, partial(Int8Linear, decode_kernel=decode_kernel), is_float_cpu, keep)

@@ -121,11 +121,13 @@ def attend_int8_rows(
 
 
 def as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """Values [..., head_dim] as a cache of `cache_dtype` gives them back (x itself for float caches,
-    whose reads are cast to the query's dtype anyway)."""
-    if cache_dtype != torch.int8:
+    """Values [..., head_dim] as a cache of `cache_dtype` gives them back, in x's dtype: rounded to int8
+    and its scales, or to a narrower float (fp32 values in a bf16 pool: compute type int8_bfloat16)."""
+    if cache_dtype == torch.int8:
+        return dequantize_kv(quantize_kv(x), x.shape[-1], x.dtype)
+    if torch.finfo(cache_dtype).bits >= torch.finfo(x.dtype).bits:  # the pool holds x exactly
         return x
-    return dequantize_kv(quantize_kv(x), x.shape[-1], x.dtype)
+    return x.to(cache_dtype).to(x.dtype)
 
 
 def write_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

@@ -151,14 +151,17 @@ def test_fastest_dtype_calibrates_only_where_bf16_is_native(monkeypatch):
 def test_compute_types_fold_into_quantization_and_dtype():
     from encdec_engine.config import EngineConfig
 
-    folded = {ct: (c.quantization, c.dtype) for ct in ("int8", "float32", "bfloat16", "auto", "default")
-              for c in [EngineConfig(model="m", compute_type=ct)]}
-    assert folded == {"int8": ("int8", "float32"), "float32": (None, "float32"), "bfloat16": (None, "bfloat16"),
-                      "auto": (None, "fastest"), "default": (None, "auto")}
+    folded = {ct: (c.quantization, c.dtype) for ct in ("int8", "int8_bfloat16", "float32", "bfloat16", "auto",
+                                                       "default") for c in [EngineConfig(model="m", compute_type=ct)]}
+    assert folded == {"int8": ("int8", "float32"), "int8_bfloat16": ("int8", "bfloat16"),
+                      "float32": (None, "float32"), "bfloat16": (None, "bfloat16"), "auto": (None, "fastest"),
+                      "default": (None, "auto")}
+    assert EngineConfig(model="m", compute_type="int8_bfloat16").bf16_encoder_int8_decoder
     for bad, message in ((dict(compute_type="int16"), "compute_type int16: the engine runs"),
                          (dict(compute_type="bfloat16", quantization="int8"), "contradicts quantization int8"),
                          (dict(compute_type="auto", dtype="float32"), "contradicts dtype float32"),
-                         (dict(dtype="fastest", quantization="int8"), "quantization='int8' computes in float32")):
+                         (dict(dtype="fastest", quantization="int8"), "quantization='int8' computes in float32"),
+                         (dict(dtype="float16", quantization="int8"), "dtype='float16' is not supported")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(model="m", **bad)
 

@@ -16,7 +16,7 @@ from encdec_engine import SamplingParams
 from encdec_engine.attention.backends.base import store_kv
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend, GatherPlan, SlicePlan
 from encdec_engine.attention.backends.xformers_masks import prefill_attn_bias
-from encdec_engine.quantization.kv_int8 import (KV_QUANT_GROUP, dequantize_kv, quantize_kv, row_width,
+from encdec_engine.quantization.kv_int8 import (KV_QUANT_GROUP, as_stored, dequantize_kv, quantize_kv, row_width,
                                               tokens_ratio)
 from encdec_engine.attention.metadata import AttentionMetadata
 from encdec_engine.checkpoints.ct2.importer import default_model_path
@@ -166,3 +166,13 @@ def test_prefix_caching_and_swapping_carry_the_scales(bart_path, make_llm):
     before = squeezed.engine.scheduler.num_preemptions
     assert tokens(squeezed, prompts, params) == tokens(off, prompts, params)
     assert squeezed.engine.scheduler.num_preemptions > before, "the small pool should force preemption"
+
+
+def test_fresh_values_are_attended_as_the_pool_keeps_them():
+    """A bf16 pool keeps fp32 values rounded (compute type int8_bfloat16): the step that writes them attends the
+    rounded ones too, as later steps read them. A pool as wide as the values gives them back as they are."""
+    x = torch.randn(5, 2, 64)
+    assert torch.equal(as_stored(x, torch.bfloat16), x.bfloat16().float()) and as_stored(x, torch.bfloat16).dtype == x.dtype
+    assert as_stored(x, torch.float32) is x
+    assert as_stored(x.bfloat16(), torch.bfloat16).dtype == torch.bfloat16
+    assert torch.equal(as_stored(x, torch.int8), dequantize_kv(quantize_kv(x), 64))
