@@ -214,6 +214,8 @@ def systems(size: str, args) -> dict[str, tuple[str, list[str]]]:
             "engine int8": (sys.executable, ["--worker", "engine", "--model", str(hf), "--quantization", "int8"])}
     if args.bf16:
         rows["engine bf16"] = (sys.executable, ["--worker", "engine", "--model", str(hf), "--dtype", "bfloat16"])
+        rows["engine int8_bfloat16"] = (sys.executable, ["--worker", "engine", "--model", str(hf), "--quantization",
+                                                         "int8", "--dtype", "bfloat16"])
     if args.kv_int8:
         rows["engine int8 + int8 KV"] = (sys.executable, ["--worker", "engine", "--model", str(hf), "--quantization",
                                                           "int8", "--kv-cache-dtype", "int8"])
@@ -282,7 +284,8 @@ def main() -> int:
     ap.add_argument("--tokens-low", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--bf16", action="store_true", help="also the engine in bfloat16")
+    ap.add_argument("--bf16", action="store_true",
+                    help="also the engine in bfloat16 and in int8_bfloat16 (a bf16 encoder, int8 decoder linears)")
     ap.add_argument("--kv-int8", action="store_true", help="also the engine with int8 weights and an int8 KV cache")
     ap.add_argument("--worker", choices=["engine", "ct2", "whispercpp"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
