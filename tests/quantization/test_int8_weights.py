@@ -306,6 +306,15 @@ def corpus_wer(results) -> float:
     return jiwer.wer([norm(TRANSCRIPTS[n]) for n in SHORT_CLIPS], [norm(r.text) for r in results])
 
 
+def assert_agrees_with_fp32(results, fp32_results) -> None:
+    """int8's stated bound against fp32 on the 7 clips: at least 4 token for token, 90% of the tokens equal
+    at their position, corpus WER at most 2 points above fp32's."""
+    got, ref = [r.segments[0].tokens for r in results], [r.segments[0].tokens for r in fp32_results]
+    assert sum(a == b for a, b in zip(got, ref)) >= 4
+    assert sum(x == y for a, b in zip(got, ref) for x, y in zip(a, b)) >= 0.9 * sum(len(a) for a in ref)
+    assert corpus_wer(results) <= corpus_wer(fp32_results) + 0.02
+
+
 def test_int8_weights_agree_with_fp32_on_the_clips(make_llm, fp32_results):
     """Stated bound: at least 4 of the 7 clips token for token, 90% of the tokens equal at their
     position, corpus WER at most 2 points above fp32's (measured: 5/7, 80/83 tokens, one other clip
@@ -318,11 +327,7 @@ def test_int8_weights_agree_with_fp32_on_the_clips(make_llm, fp32_results):
     assert outliers and all(isinstance(m, Int8Linear) == (rows or not any(m is k for k in outliers)) for m in linears)
     assert all((m.weight_int8.decode_kernel == "rows") == any(m is k for k in outliers)
                for m in linears if isinstance(m, Int8Linear))
-    results = llm.transcribe([AUDIO / n for n in SHORT_CLIPS], **EXACT)
-    got, ref = [r.segments[0].tokens for r in results], [r.segments[0].tokens for r in fp32_results]
-    assert sum(a == b for a, b in zip(got, ref)) >= 4
-    assert sum(x == y for a, b in zip(got, ref) for x, y in zip(a, b)) >= 0.9 * sum(len(a) for a in ref)
-    assert corpus_wer(results) <= corpus_wer(fp32_results) + 0.02
+    assert_agrees_with_fp32(llm.transcribe([AUDIO / n for n in SHORT_CLIPS], **EXACT), fp32_results)
 
 
 def test_int8_decoder_beside_a_bf16_encoder_agrees_with_fp32(make_llm, fp32_results):
@@ -339,11 +344,7 @@ def test_int8_decoder_beside_a_bf16_encoder_agrees_with_fp32(make_llm, fp32_resu
     assert decoder and all(isinstance(m, Int8Linear) for m in decoder)
     assert {p.dtype for p in model.decoder.parameters()} <= {torch.float32}
     assert engine.kv_cache_dtype == torch.bfloat16 and "bfloat16 encoder, int8 decoder" in engine.describe()
-    results = llm.transcribe([AUDIO / n for n in SHORT_CLIPS], **EXACT)
-    got, ref = [r.segments[0].tokens for r in results], [r.segments[0].tokens for r in fp32_results]
-    assert sum(a == b for a, b in zip(got, ref)) >= 4
-    assert sum(x == y for a, b in zip(got, ref) for x, y in zip(a, b)) >= 0.9 * sum(len(a) for a in ref)
-    assert corpus_wer(results) <= corpus_wer(fp32_results) + 0.02
+    assert_agrees_with_fp32(llm.transcribe([AUDIO / n for n in SHORT_CLIPS], **EXACT), fp32_results)
 
 
 def test_int8_bfloat16_needs_an_encoder_of_its_own(bart_path, make_llm):
