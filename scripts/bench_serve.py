@@ -10,9 +10,11 @@ Whisper tiny.en weights, each started in turn on a loopback port (and stopped be
   simple user would serve it: the baseline.
 
 C clients of the official `openai` package (AsyncOpenAI; closed loop: each sends its next request once the
-last is answered) transcribe distinct 5-15 s recordings: 2-4 bundled clips joined by random pauses, with a
-tiny random gain, so that no cache (the engine's prefix cache) can serve a request. Every server gets the
-same recordings (from --seed), C by C, after 2 warm-up requests. Per server and C a markdown row: requests,
+last is answered) transcribe 5-15 s recordings: 2-4 bundled clips joined by random pauses. Every C sends
+the same recordings (the same clips and pauses, so the same work: a harder set at one C once made the
+engine's throughput seem to fall with C, through its temperature fallback), each C's copy at a gain of
+its own, so that no cache (the engine's prefix cache) serves a request another C sent. Every server gets
+the same recordings (from --seed), C by C, after 2 warm-up requests. Per server and C a markdown row: requests,
 audio seconds per second, requests/s, latency p50/p95/p99, errors, WER against the clips' reference texts,
 the share of answers equal to the engine's (normalized), the CPU of the server's process tree (vLLM's
 EngineCore and worker included) and of other processes, in cores. The mixed run (--no-mixed: none): 2
@@ -121,13 +123,13 @@ class Recordings:
         self.clips = {name: load_audio(AUDIO / name) for name in LONG_CLIPS}
         self.texts = json.loads((AUDIO / "transcripts.json").read_text())
 
-    def short(self, key: str) -> Recording:
-        """2-4 clips, 5-15 s with the pauses."""
+    def short(self, key: str, copy: str = "") -> Recording:
+        """2-4 clips, 5-15 s with the pauses; each `copy` of a key the same clips and pauses at its own gain."""
         rng = random.Random(f"{self.seed}/{key}")
         names = rng.sample(CLIPS, rng.randint(2, 4))
         while sum(len(self.clips[n]) for n in names) / SAMPLE_RATE + 0.8 * (len(names) + 1) > 15:
             names.pop()
-        return self._join(key, names, rng, (0.2, 0.8))
+        return self._join(f"{key}{copy}", names, rng, (0.2, 0.8), random.Random(f"{self.seed}/{key}/{copy}"))
 
     def long(self, key: str, minutes: float) -> Recording:
         """Clips (the 69 s meeting among them) with pauses, to about `minutes`."""
@@ -137,11 +139,12 @@ class Recordings:
             names.append(rng.choice([n for n in LONG_CLIPS if len(self.clips[n]) / SAMPLE_RATE < left] or CLIPS))
         return self._join(key, names, rng, (0.3, 1.5))
 
-    def _join(self, key: str, names: list[str], rng: random.Random, pause: tuple[float, float]) -> Recording:
+    def _join(self, key: str, names: list[str], rng: random.Random, pause: tuple[float, float],
+              gain: random.Random | None = None) -> Recording:
         parts = [np.zeros(int(rng.uniform(*pause) * SAMPLE_RATE), np.float32)]
         for name in names:
             parts += [self.clips[name], np.zeros(int(rng.uniform(*pause) * SAMPLE_RATE), np.float32)]
-        audio = np.concatenate(parts) * rng.uniform(0.9, 1.0)
+        audio = np.concatenate(parts) * (gain or rng).uniform(0.9, 1.0)
         buffer = io.BytesIO()
         sf.write(buffer, audio, SAMPLE_RATE, format="WAV", subtype="PCM_16")
         return Recording(key, buffer.getvalue(), len(audio) / SAMPLE_RATE, " ".join(self.texts[n] for n in names))
@@ -393,7 +396,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--servers", default="engine,vllm,fw", help="which, in this order: engine, vllm, fw")
     parser.add_argument("--clients", default="1,4,16,64", help="the C to run, in order")
-    parser.add_argument("--requests", type=int, default=0, help="requests per C (default: max(2C, 24))")
+    parser.add_argument("--requests", type=int, default=0, help="requests per C (default: twice the most C, "
+                        "at least 24, the same recordings at every C)")
     parser.add_argument("--rounds", type=int, default=1, help="run the whole sweep this many times (the noise)")
     parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
                         help="the mixed run: 2 long files beside 14 clients of short ones")
@@ -417,7 +421,8 @@ def main() -> int:
     if set(servers) - set(START) or args.rounds < 1:
         raise SystemExit(f"--servers takes {', '.join(START)}; --rounds at least 1")
     counts = [1, 4] if args.quick else [int(c) for c in args.clients.split(",")]
-    per_c = {c: args.requests or (max(2 * c, 4) if args.quick else max(2 * c, 24)) for c in counts}
+    # The same number of requests at every C (the same recordings: the same work), 2 per client at the most C
+    per_c = {c: args.requests or (max(2 * c, 4) if args.quick else max(2 * max(counts), 24)) for c in counts}
     mixed = args.mixed and not args.quick
 
     print(f"machine: {machine()}")
@@ -428,7 +433,7 @@ def main() -> int:
         if name in servers:
             print(f"{name}: {versions(python, packages)}; {setup}")
     recs = Recordings(args.seed)
-    runs = {c: [recs.short(f"c{c}-{i}") for i in range(per_c[c])] for c in counts}
+    runs = {c: [recs.short(f"r{i}", f"@c{c}") for i in range(per_c[c])] for c in counts}
     warm = [recs.short(f"warm-{i}") for i in range(2)]
     longs = [recs.long(f"long-{k}", args.long_minutes) for k in range(LONG_IN_MIXED)] if mixed else []
     print(f"requests per C: {per_c}; recordings of {min(r.seconds for v in runs.values() for r in v):.1f}-"
