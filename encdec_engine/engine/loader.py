@@ -17,6 +17,7 @@ from encdec_engine.attention.ops import cpu_decode
 from encdec_engine.machine.cpu_kernels import machine_plan, prepare_cpu_linears
 from encdec_engine.layers.linear import bf16_native
 from encdec_engine.models.registry import resolve_model_class
+from encdec_engine.attention.metadata import AttentionType
 from encdec_engine.models.encdec_layers import EncDecAttention
 from encdec_engine.checkpoints.generation_config import decoder_start_token_id, load_generation_config
 from encdec_engine.checkpoints.model_config import read_whisper_config
@@ -106,12 +107,13 @@ def read_model_config(path: Path):
     return AutoConfig.from_pretrained(path)
 
 
-def encoder_in_bf16(model: nn.Module, config: EngineConfig) -> nn.Module:
-    """The encoder of compute type int8_bfloat16, turned bf16 (its decoder stays fp32 for the int8 linears).
-    Only a model whose encoder shares no weight with the rest and hands its output over in the decoder's
-    dtype (`encoder_output_in_decoder_dtype`: Whisper) can be split so."""
+def encoder_in_bf16(model: nn.Module, config: EngineConfig) -> list[nn.Module]:
+    """The parts compute type int8_bfloat16 runs in bf16, turned bf16: the encoder and the decoder's cross-
+    attention K/V projections (once a window over all its positions, as the encoder's products are); the rest
+    of the decoder stays fp32 for the int8 linears. Only a model whose encoder shares no weight with the rest
+    (`encoder_runs_apart`: Whisper) can be split so."""
     name = type(model).__name__
-    if not getattr(model, "encoder_output_in_decoder_dtype", False):
+    if not getattr(model, "encoder_runs_apart", False):
         raise ValueError(f"{config.model}: compute type int8_bfloat16 (quantization='int8', dtype='bfloat16') runs "
                          f"an encoder in bf16 beside an int8 decoder; {name} has "
                          f"{'an encoder that shares weights with its decoder' if model.is_encoder_decoder else 'no encoder'}"
@@ -119,7 +121,9 @@ def encoder_in_bf16(model: nn.Module, config: EngineConfig) -> nn.Module:
     encoder = model.encoder
     rest = {id(p) for n, p in model.named_parameters() if not n.startswith("encoder.")}
     assert not any(id(p) in rest for p in encoder.parameters()), f"{name}'s encoder shares weights with its decoder"
-    return encoder.to(torch.bfloat16)
+    cross_kv = [m.kv_proj for m in model.decoder.modules()
+                if isinstance(m, EncDecAttention) and m.attn_type == AttentionType.ENCODER_DECODER]
+    return [part.to(torch.bfloat16) for part in (encoder, *cross_kv)]
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -152,11 +156,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ValueError(f"{path}: the weights ({', '.join(f.name for f in files)}) do not fit config.json: {e}") from e
     mixed = config.bf16_encoder_int8_decoder
     model = model.to(device=device, dtype=torch.float32 if mixed else dtype).eval()
-    bf16_part = encoder_in_bf16(model, config) if mixed else None
+    bf16_parts = encoder_in_bf16(model, config) if mixed else ()
     for module in model.modules():
         if isinstance(module, EncDecAttention):
             module.fold_query_scaling()
-    plan = prepare_cpu_linears(model, config.quantization, bf16_part)  # this machine's fp32, bf16 or int8 kernels
+    plan = prepare_cpu_linears(model, config.quantization, bf16_parts)  # this machine's fp32, bf16 or int8 kernels
     if plan is not None and hasattr(backend, "onednn_attention") and (plan.bf16 or machine_plan(int8=False).fp32
                                                                       == "onednn"):
         # Long prefill attention on the linears' library; in bf16 where the model is bf16 or int8 weights

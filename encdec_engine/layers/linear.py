@@ -134,9 +134,10 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
     return len(swaps)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every CPU `nn.Linear` that `packs` (fp32; bf16 where native) with a PackedLinear; returns how many."""
-    return replace_linears(model, PackedLinear, packs)
+def pack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Replace every CPU `nn.Linear` that `packs` (fp32; bf16 where native; only those of `dtype` if given) with
+    a PackedLinear; returns how many."""
+    return replace_linears(model, PackedLinear, lambda w: packs(w) and dtype in (None, w.dtype))
 
 
 class VocabProjection:

@@ -40,7 +40,7 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -295,18 +295,18 @@ def fastest_dtype() -> str:
 
 
 def prepare_cpu_linears(model: nn.Module, quantization: str | None,
-                        bf16_part: nn.Module | None = None) -> CpuLinearPlan | None:
+                        bf16_parts: Sequence[nn.Module] = ()) -> CpuLinearPlan | None:
     """Put the loaded model's CPU linears (and its vocab head) on this machine's kernels.
 
     Returns the plan, or None when nothing runs on the CPU in a kernel chosen here (CUDA,
-    half precision). Called once, after the weights are loaded and moved. `bf16_part` (int8 only):
-    a submodule already in bf16 (the encoder of compute type int8_bfloat16) whose linears stay bf16,
-    packed where the CPU multiplies bf16 natively.
+    half precision). Called once, after the weights are loaded and moved. `bf16_parts` (int8 only):
+    submodules already in bf16 (compute type int8_bfloat16's encoder and cross K/V projections) whose
+    linears stay bf16, packed where the CPU multiplies bf16 natively.
     """
     projection = getattr(model, "vocab_projection", None)
     if quantization == "int8":
         plan = machine_plan(int8=True)
-        bf16_linears = [] if bf16_part is None else [m for m in bf16_part.modules() if isinstance(m, nn.Linear)]
+        bf16_linears = [m for part in bf16_parts for m in part.modules() if isinstance(m, nn.Linear)]
         # The linears whose inputs have outliers (that one 8-bit scale over a block of rows loses): int8
         # with a scale per row, or this machine's fp32 kernel.
         outliers = [m for m in getattr(model, "linears_with_outlier_inputs", list)()
@@ -317,8 +317,8 @@ def prepare_cpu_linears(model: nn.Module, quantization: str | None,
             quantize_linears(model, plan.int8_decode, keep=outliers + bf16_linears)
             if outliers and machine_plan(int8=False).fp32 == "onednn":
                 pack_linears(model)
-        if bf16_part is not None:
-            pack_linears(bf16_part)
+        if bf16_parts:
+            pack_linears(model, torch.bfloat16)
         if projection is not None:
             projection.use(partial(Int8Weight.quantize, decode_kernel=plan.int8_decode), is_float_cpu)
         return plan

@@ -83,7 +83,8 @@ class EncDecAttention(nn.Module):
             q = self.q_proj(hidden)
             k = v = None
             if encoder_hidden is not None:  # decode steps read the cross cache instead
-                k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)
+                # (in q's dtype: under int8_bfloat16 the projection is bf16 beside an fp32 decoder)
+                k, v = self.kv_proj(encoder_hidden).to(q.dtype).chunk(2, dim=-1)
         else:
             q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)  # [num_tokens, num_heads * head_dim] each
         if self.prescale_query and not self.query_scaling_folded:

@@ -118,11 +118,12 @@ class WhisperForConditionalGeneration(nn.Module):
         they take a scale per row where the machine allows (machine/cpu_kernels.py), else fp32."""
         return [layer.fc2 for layer in self.encoder.layers]
 
-    # Its encoder may run in another dtype than its decoder (compute type int8_bfloat16: engine/loader.py)
-    encoder_output_in_decoder_dtype = True
+    # Its encoder shares no weight with its decoder: it may run in another dtype (compute type int8_bfloat16,
+    # engine/loader.py), its output taken by the cross K/V projections in its own
+    encoder_runs_apart = True
 
     def encode(self, inputs: EncoderInputs, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.encoder(inputs.features, metadata).to(self.decoder.layer_norm.weight.dtype)
+        return self.encoder(inputs.features, metadata)
 
     def forward(self, input_ids, positions, kv_caches, metadata, encoder_hidden=None) -> torch.Tensor:
         return self.decoder(input_ids, positions, kv_caches, metadata, encoder_hidden)

@@ -21,7 +21,7 @@ from encdec_engine.machine.cpu_kernels import CpuLinearPlan, choose_fp32, choose
 from encdec_engine.quantization.int8_weights import (ACTIVATION_ROWS, Int8Linear, Int8Weight, RowScaledInt8Weight,
                                                      fbgemm_available, fbgemm_full_range, int_mm_is_exact,
                                                      quantize_per_channel, quantize_rows)
-from encdec_engine.layers.linear import PackedLinear, VocabProjection
+from encdec_engine.layers.linear import PackedLinear, VocabProjection, bf16_native
 from encdec_engine.checkpoints.ct2.format import read_ct2_variables
 from encdec_engine.checkpoints.ct2.importer import default_model_path, import_ct2_whisper
 
@@ -331,18 +331,21 @@ def test_int8_weights_agree_with_fp32_on_the_clips(make_llm, fp32_results):
 
 
 def test_int8_decoder_beside_a_bf16_encoder_agrees_with_fp32(make_llm, fp32_results):
-    """compute_type="int8_bfloat16": Whisper's encoder in bf16 (oneDNN's packed bf16 where the CPU has it),
-    every decoder linear and the vocab head on int8 weights with fp32 activations, a bf16 KV pool read by
-    the fp32 decode; held to int8's bounds against fp32 (measured: 7/7 clips token for token, WER 8.0% as
-    fp32's)."""
+    """compute_type="int8_bfloat16": Whisper's encoder and the decoder's cross K/V projections in bf16 (oneDNN's
+    packed bf16 where the CPU has it), every other decoder linear and the vocab head on int8 weights with fp32
+    activations, a bf16 KV pool read by the fp32 decode; held to int8's bounds against fp32 (measured: 7/7
+    clips token for token, WER 8.0% as fp32's)."""
     llm = make_llm(default_model_path(), compute_type="int8_bfloat16")
     engine, model = llm.engine, llm.engine.model
     assert {p.dtype for p in model.encoder.parameters()} == {torch.bfloat16}
     encoder = [m for m in model.encoder.modules() if type(m) in (nn.Linear, PackedLinear, Int8Linear)]
     assert encoder and not any(isinstance(m, Int8Linear) for m in encoder)
-    decoder = [m for m in model.decoder.modules() if type(m) in (nn.Linear, PackedLinear, Int8Linear)]
+    cross_kv = [layer.encoder_attn.kv_proj for layer in model.decoder.layers]
+    assert {p.dtype for m in cross_kv for p in m.parameters()} == {torch.bfloat16}
+    assert all(isinstance(m, PackedLinear) == bf16_native() for m in cross_kv)
+    decoder = [m for m in model.decoder.modules() if type(m) in (nn.Linear, PackedLinear, Int8Linear)
+               and not any(m is kv for kv in cross_kv)]
     assert decoder and all(isinstance(m, Int8Linear) for m in decoder)
-    assert {p.dtype for p in model.decoder.parameters()} <= {torch.float32}
     assert engine.kv_cache_dtype == torch.bfloat16 and "bfloat16 encoder, int8 decoder" in engine.describe()
     assert_agrees_with_fp32(llm.transcribe([AUDIO / n for n in SHORT_CLIPS], **EXACT), fp32_results)
 
@@ -449,7 +452,6 @@ def float_weight(module: nn.Module) -> torch.Tensor:
 def test_long_prefill_attention_follows_the_precision(make_llm):
     """Where the fp32 linears run on oneDNN, so does the encoder's long attention: fp32 for an fp32 engine
     (parity), bf16 matmuls for an int8 one where oneDNN has native bf16."""
-    from encdec_engine.layers.linear import bf16_native
     from encdec_engine.machine.cpu_kernels import machine_plan
 
     on = machine_plan(int8=False).fp32 == "onednn"
