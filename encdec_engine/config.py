@@ -103,8 +103,8 @@ class EngineConfig:
 
     @property
     def bf16_encoder_int8_decoder(self) -> bool:
-        """quantization='int8' with dtype='bfloat16' (compute type int8_bfloat16): the encoder in bf16, the
-        decoder's linears int8 with fp32 activations, the KV pool bf16."""
+        """quantization='int8' with dtype='bfloat16' (compute type int8_bfloat16): the encoder and the cross K/V
+        projections in bf16, the decoder's other linears int8 with fp32 activations, the KV pool bf16."""
         return self.quantization == "int8" and self.dtype == "bfloat16"
 
     @property

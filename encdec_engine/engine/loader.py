@@ -114,10 +114,10 @@ def encoder_in_bf16(model: nn.Module, config: EngineConfig) -> list[nn.Module]:
     (`encoder_runs_apart`: Whisper) can be split so."""
     name = type(model).__name__
     if not getattr(model, "encoder_runs_apart", False):
+        has = "an encoder that shares weights with its decoder" if model.is_encoder_decoder else "no encoder"
         raise ValueError(f"{config.model}: compute type int8_bfloat16 (quantization='int8', dtype='bfloat16') runs "
-                         f"an encoder in bf16 beside an int8 decoder; {name} has "
-                         f"{'an encoder that shares weights with its decoder' if model.is_encoder_decoder else 'no encoder'}"
-                         f": use compute type int8 or bfloat16")
+                         f"an encoder in bf16 beside an int8 decoder; {name} has {has}: use compute type int8 or "
+                         f"bfloat16")
     encoder = model.encoder
     rest = {id(p) for n, p in model.named_parameters() if not n.startswith("encoder.")}
     assert not any(id(p) in rest for p in encoder.parameters()), f"{name}'s encoder shares weights with its decoder"
@@ -168,7 +168,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         bf16 = (plan.bf16 or config.quantization == "int8") and bf16_native()
         backend.onednn_attention = torch.bfloat16 if bf16 else torch.float32
         backend.amx_flash = bf16 and torch.cpu._is_amx_tile_supported()  # torch's flash kernel on the AMX tiles
-    if hasattr(backend, "fused_decode") and device.type == "cpu" and config.torch_kv_cache_dtype in cpu_decode.POOL_DTYPES:
+    pool_dtype = config.torch_kv_cache_dtype
+    if hasattr(backend, "fused_decode") and device.type == "cpu" and pool_dtype in cpu_decode.POOL_DTYPES:
         backend.fused_decode = cpu_decode.load()  # decode reads straight from the pool, where it builds
 
     eos = hf_config.eos_token_id

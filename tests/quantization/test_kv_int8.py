@@ -172,7 +172,8 @@ def test_fresh_values_are_attended_as_the_pool_keeps_them():
     """A bf16 pool keeps fp32 values rounded (compute type int8_bfloat16): the step that writes them attends the
     rounded ones too, as later steps read them. A pool as wide as the values gives them back as they are."""
     x = torch.randn(5, 2, 64)
-    assert torch.equal(as_stored(x, torch.bfloat16), x.bfloat16().float()) and as_stored(x, torch.bfloat16).dtype == x.dtype
+    rounded = as_stored(x, torch.bfloat16)
+    assert torch.equal(rounded, x.bfloat16().float()) and rounded.dtype == x.dtype
     assert as_stored(x, torch.float32) is x
     assert as_stored(x.bfloat16(), torch.bfloat16).dtype == torch.bfloat16
     assert torch.equal(as_stored(x, torch.int8), dequantize_kv(quantize_kv(x), 64))
