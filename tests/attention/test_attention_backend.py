@@ -404,22 +404,34 @@ def test_long_bidirectional_prefill_through_onednn_matches_naive(lens, num_kv_he
     computed in fp64, and every long sequence went through it."""
     from encdec_engine.attention.ops import onednn_attention
 
-    torch.manual_seed(5)
-    heads, head_dim = 6, 16
+    out, reference, calls = long_prefill(monkeypatch, "attend", lens, 6, num_kv_heads, 16, seed=5,
+                                         onednn_attention=torch.float32)
+    assert sorted(calls) == sorted(n for n in lens if n >= onednn_attention.MIN_LENGTH)
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
+
+
+def long_prefill(monkeypatch, op: str, lens: list[int], heads: int, kv_heads: int, head_dim: int, seed: int,
+                 **backend_options):
+    """Fresh bidirectional attention over packed sequences of `lens` through a backend with `backend_options`,
+    counting the sequences that went through onednn_attention's `op`: (output, the fp64 reference, the
+    counted sequences' lengths)."""
+    from encdec_engine.attention.ops import onednn_attention
+
+    torch.manual_seed(seed)
     calls = []
-    attend = onednn_attention.attend
-    monkeypatch.setattr(onednn_attention, "attend", lambda q, *a: (calls.append(q.shape[0]), attend(q, *a)))
+    kernel = getattr(onednn_attention, op)
+    monkeypatch.setattr(onednn_attention, op, lambda q, *a: (calls.append(q.shape[0]), kernel(q, *a)))
     starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist()
     view = make_view(lens, lens, False, key_start_loc=starts)
     q = torch.randn(sum(lens), heads, head_dim)
-    k, v = torch.randn(sum(lens), num_kv_heads, head_dim), torch.randn(sum(lens), num_kv_heads, head_dim)
+    k, v = torch.randn(sum(lens), kv_heads, head_dim), torch.randn(sum(lens), kv_heads, head_dim)
     backend = TorchSDPABackend(BS)
-    backend.onednn_attention = torch.float32
+    for name, value in backend_options.items():
+        setattr(backend, name, value)
     out = backend.forward(q, k, v, None, view, head_dim**-0.5)
-    assert sorted(calls) == sorted(n for n in lens if n >= onednn_attention.MIN_LENGTH)
     reference = torch.cat([naive_attention(q[s : s + n], k[s : s + n], v[s : s + n], head_dim**-0.5)
                            for s, n in zip(starts, lens)])
-    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
+    return out, reference, calls
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
@@ -438,23 +450,9 @@ def test_long_prefill_attention_in_bf16_stays_close():
 def test_long_prefill_attention_through_amx_flash_stays_close_and_is_taken_per_long_sequence(monkeypatch):
     """bf16 engines on AMX CPUs: torch's flash kernel in bf16 for each long sequence (the short one stays
     on SDPA in its own dtype), within bf16's rounding of the fp64 result; the output keeps the query's dtype."""
-    from encdec_engine.attention.ops import onednn_attention
-
-    torch.manual_seed(7)
-    lens, heads, kv_heads, head_dim = [700, 40, 520], 4, 2, 32
-    calls = []
-    flash = onednn_attention.amx_flash
-    monkeypatch.setattr(onednn_attention, "amx_flash", lambda q, *a: (calls.append(q.shape[0]), flash(q, *a)))
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).tolist()
-    view = make_view(lens, lens, False, key_start_loc=starts)
-    q = torch.randn(sum(lens), heads, head_dim)
-    k, v = torch.randn(sum(lens), kv_heads, head_dim), torch.randn(sum(lens), kv_heads, head_dim)
-    backend = TorchSDPABackend(BS)
-    backend.onednn_attention, backend.amx_flash = torch.bfloat16, True
-    out = backend.forward(q, k, v, None, view, head_dim**-0.5)
+    out, reference, calls = long_prefill(monkeypatch, "amx_flash", [700, 40, 520], 4, 2, 32, seed=7,
+                                         onednn_attention=torch.bfloat16, amx_flash=True)
     assert sorted(calls) == [520, 700] and out.dtype == torch.float32
-    reference = torch.cat([naive_attention(q[s : s + n], k[s : s + n], v[s : s + n], head_dim**-0.5)
-                           for s, n in zip(starts, lens)])
     torch.testing.assert_close(out.double(), reference, rtol=0.0, atol=2e-2)
 
 
