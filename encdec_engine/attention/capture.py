@@ -45,7 +45,7 @@ class CrossCapture:
             if not heads:
                 continue
             q = query[req.query_start : req.query_end].view(-1, num_heads, head_dim)[:, heads].float()
-            k = read_rows(keys.index_select(0, req.key_slots)[:, heads], head_dim, torch.float32).float()
+            k = read_rows(keys.index_select(0, req.key_slots)[:, heads], head_dim, torch.float32)
             probs = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * scale, dim=-1)
             for head, p in zip(heads, probs):
                 req.probs[(layer, head)] = p

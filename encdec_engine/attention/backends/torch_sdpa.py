@@ -225,7 +225,7 @@ class TorchSDPABackend:
                 position_bias: PositionBias | None = None) -> torch.Tensor:
         if key is not None and view.slot_mapping is not None and kv_cache is not None:
             store_kv(key, value, kv_cache, view.slot_mapping)
-            if not view.reads_cache:  # attend to the K/V as the cache holds them (int8: rounded)
+            if not view.reads_cache:  # attend to the K/V as the cache holds them (int8 or a narrower float: rounded)
                 key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
         if view.reads_cache and query.dtype == torch.bfloat16 and query.device.type == "cpu":
             # A bf16 model on the CPU reads its bf16 cache in fp32: the compiled decode kernel widens each
@@ -347,23 +347,21 @@ class TorchSDPABackend:
         k = k.view(num_seqs, max_key, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, L, D]
         v = v.view(num_seqs, max_key, num_kv_heads, head_dim).transpose(1, 2)
         gqa = query.shape[1] != num_kv_heads
+        # k, v and an additive mask are in the query's dtype (read_rows widens or dequantizes to it)
         if view.max_query_len == 1:
-            q = query[:, :, None, :].to(k.dtype)  # [n, H, 1, D]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask.to(k.dtype) if key_mask.is_floating_point()
-                                               else key_mask, scale=scale, enable_gqa=gqa)
-            return o[:, :, 0, :].to(query.dtype)
+            o = F.scaled_dot_product_attention(query[:, :, None, :], k, v, attn_mask=key_mask, scale=scale,
+                                               enable_gqa=gqa)  # [n, H, 1, D]
+            return o[:, :, 0, :]
         out = torch.empty_like(query)
         q_loc = view.query_start_loc_list
         for i in range(num_seqs):
             q_len = q_loc[i + 1] - q_loc[i]
             if q_len == 0:
                 continue
-            q = query[q_loc[i] : q_loc[i + 1]].transpose(0, 1)[None].to(k.dtype)  # [1, H, q, D]
-            mask = key_mask[i : i + 1, :, :q_len]
-            mask = mask.to(k.dtype) if mask.is_floating_point() else mask
-            o = F.scaled_dot_product_attention(q, k[i : i + 1], v[i : i + 1], attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
-            out[q_loc[i] : q_loc[i + 1]] = o[0].transpose(0, 1).to(query.dtype)
+            q = query[q_loc[i] : q_loc[i + 1]].transpose(0, 1)[None]  # [1, H, q, D]
+            o = F.scaled_dot_product_attention(q, k[i : i + 1], v[i : i + 1], attn_mask=key_mask[i : i + 1, :, :q_len],
+                                               scale=scale, enable_gqa=gqa)
+            out[q_loc[i] : q_loc[i + 1]] = o[0].transpose(0, 1)
         return out
 
 
@@ -403,15 +401,15 @@ class TorchSDPABackend:
                     out[i] = attend_int8_rows(query[i], keys[start : start + key_len],
                                               values[start : start + key_len], scale)
                 continue
-            k = read_rows(keys[start : start + key_len], head_dim, query.dtype)  # [L, Hkv, D]
+            k = read_rows(keys[start : start + key_len], head_dim, query.dtype)  # [L, Hkv, D], the query's dtype
             v = read_rows(values[start : start + key_len], head_dim, query.dtype)
             if k.dtype != torch.float32:
                 k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
                 mask = None if bias is None else bias.to(k.dtype)
                 for i in rows:
-                    q = query[i, :, None, :].to(k.dtype)  # [H, 1, D]
-                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-                    out[i] = o[:, 0].to(query.dtype)
+                    o = F.scaled_dot_product_attention(query[i, :, None, :], k, v, attn_mask=mask, scale=scale,
+                                                       enable_gqa=group > 1)  # [H, 1, D]
+                    out[i] = o[:, 0]
                 continue
             keys_t, v = k.permute(1, 2, 0), v.transpose(0, 1)  # [Hkv, D, L], [Hkv, L, D]
             n = len(rows)
