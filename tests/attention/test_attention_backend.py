@@ -10,6 +10,7 @@ from encdec_engine.attention.backends.cpu_copies import HEAD_MAJOR_BUDGET
 from encdec_engine.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec_engine.attention.backends.xformers_masks import prefill_attn_bias
 from encdec_engine.attention.metadata import AttentionMetadata
+from encdec_engine.layers.linear import bf16_native
 from encdec_engine.worker.input_prep import pad_rows
 
 H, D, BS = 4, 8, 4
@@ -434,7 +435,7 @@ def long_prefill(monkeypatch, op: str, lens: list[int], heads: int, kv_heads: in
     return out, reference, calls
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
+@pytest.mark.skipif(not bf16_native(), reason="the engines multiply attention in bf16 only where oneDNN does natively")
 def test_long_prefill_attention_in_bf16_stays_close():
     """The int8 engines' bf16 matmuls (fp32 sums and softmax): within bf16's rounding of the fp64 result."""
     from encdec_engine.attention.ops import onednn_attention

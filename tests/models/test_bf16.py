@@ -12,6 +12,7 @@ from transformers import AutoModelForSeq2SeqLM, WhisperForConditionalGeneration
 
 from encdec_engine import SamplingParams
 from encdec_engine.attention.ops import cpu_decode
+from encdec_engine.engine import loader
 from encdec_engine.checkpoints.ct2.importer import default_model_path
 from encdec_engine.inputs.audio import load_audio
 from encdec_engine.inputs.features import log_mel_spectrogram
@@ -173,3 +174,12 @@ def test_compute_type_auto_runs_this_machines_fastest_type(make_llm):
     assert llm.engine.dtype == getattr(torch, fastest_dtype())
     assert llm.engine.config.dtype == fastest_dtype()
     assert llm.transcribe([AUDIO / "fox.wav"], timestamps=False)[0].text.strip()
+
+
+@pytest.mark.parametrize("dtype, native, said", [("bfloat16", False, True), ("bfloat16", True, False),
+                                                 ("float32", False, False)])
+def test_emulated_bf16_is_said_at_load(tmp_path, make_llm, monkeypatch, caplog, dtype, native, said):
+    monkeypatch.setattr(loader, "bf16_native", lambda: native)
+    with caplog.at_level("WARNING", logger=loader.__name__):
+        make_llm(make_whisper(tmp_path / "whisper", "tiny-80"), dtype=dtype)
+    assert ("dtype bfloat16 on a CPU without native bf16" in caplog.text) == said
