@@ -48,9 +48,10 @@ def test_packed_activated_linear_equals_activation_of_packed_linear(name, bias):
     plain.packed_weight, plain.bias = PackedLinear(layer).packed_weight, layer.bias
     model = nn.Sequential(layer)
     assert pack_linears(model) == 1 and isinstance(model[0], PackedLinear)
-    for rows in (1, 5, 300):
-        x = torch.randn(rows, 48)
-        assert torch.equal(model(x), get_activation(name)(plain(x)))  # bit for bit, fused or not
+    with torch.inference_mode():  # as the engine runs (with autograd on, AVX2 machines round differently)
+        for rows in (1, 5, 300):
+            x = torch.randn(rows, 48)
+            assert torch.equal(model(x), get_activation(name)(plain(x)))  # bit for bit, fused or not
 
 
 @pytest.mark.skipif(not onednn_packing_available(), reason="torch built without oneDNN")
