@@ -12,8 +12,8 @@ from transformers import AutoModelForSeq2SeqLM, WhisperForConditionalGeneration
 
 from encdec_engine import SamplingParams
 from encdec_engine.attention.ops import cpu_decode
-from encdec_engine.engine import loader
 from encdec_engine.checkpoints.ct2.importer import default_model_path
+from encdec_engine.engine import loader
 from encdec_engine.inputs.audio import load_audio
 from encdec_engine.inputs.features import log_mel_spectrogram
 from encdec_engine.layers.linear import PackedLinear, bf16_native
@@ -176,10 +176,15 @@ def test_compute_type_auto_runs_this_machines_fastest_type(make_llm):
     assert llm.transcribe([AUDIO / "fox.wav"], timestamps=False)[0].text.strip()
 
 
-@pytest.mark.parametrize("dtype, native, said", [("bfloat16", False, True), ("bfloat16", True, False),
-                                                 ("float32", False, False)])
-def test_emulated_bf16_is_said_at_load(tmp_path, make_llm, monkeypatch, caplog, dtype, native, said):
+@pytest.mark.parametrize("quantization, dtype, native, said", [
+    (None, "bfloat16", False, "dtype bfloat16"), ("int8", "bfloat16", False, "compute type int8_bfloat16"),
+    (None, "bfloat16", True, None), (None, "float32", False, None)])
+def test_emulated_bf16_is_said_at_load(tmp_path, make_llm, monkeypatch, caplog, quantization, dtype, native, said):
     monkeypatch.setattr(loader, "bf16_native", lambda: native)
     with caplog.at_level("WARNING", logger=loader.__name__):
-        make_llm(make_whisper(tmp_path / "whisper", "tiny-80"), dtype=dtype)
-    assert ("dtype bfloat16 on a CPU without native bf16" in caplog.text) == said
+        make_llm(make_whisper(tmp_path / "whisper", "tiny-80"), quantization=quantization, dtype=dtype)
+    warned = [r.getMessage() for r in caplog.records if "without native bf16" in r.getMessage()]
+    assert warned == ([] if said is None else [f"{said} on a CPU without native bf16 (no AVX-512 BF16 or AMX): bf16 "
+                                               "is emulated here, several times slower than float32; compute type "
+                                               "'auto' picks this machine's fastest floating type, 'int8' its "
+                                               "fastest type"])

@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) float element(const char *row, int6
 /* q . row over d < D: LANES partial sums (d mod LANES), halved in a fixed order, then the tail: the same
  * bits for an fp32 and a bf16 row of the same values, whatever vectors the CPU has. The sums are kept
  * as two 8-lane halves: AVX2 registers (a 16-lane vector type compiled for AVX2 went through the stack,
- * 1.6-1.8x slower on a Zen 3); an AVX-512 CPU runs them as they are. */
+ * up to 2.2x slower on a Zen 3); an AVX-512 CPU runs them as they are. */
 #define LANES 16
 typedef float f8 __attribute__((vector_size(32)));
 typedef float f4 __attribute__((vector_size(16)));
