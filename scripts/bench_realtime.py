@@ -31,7 +31,6 @@ import json
 import os
 import random
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +43,7 @@ import httpx
 import numpy as np
 import soundfile as sf
 import websockets.asyncio.client
-from load_test import wait_healthy
+from load_test import stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -383,8 +382,7 @@ def main() -> int:
             times = word_times(url)
             sweep("engine", lambda recs: engine_run(url, recs, times, server.pid))
         finally:
-            server.send_signal(signal.SIGINT)
-            server.wait(60)
+            stop(server)  # killed if it has not exited within 30 s: never left running after the script
     if not args.no_faster_whisper:
         from encdec_engine.llm import LLM
         from encdec_engine.speech.live.model import LiveModel

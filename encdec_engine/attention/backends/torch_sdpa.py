@@ -30,7 +30,7 @@ from encdec_engine.attention.backends.cpu_copies import (HEAD_MAJOR_BUDGET, Head
                                                          SelfRowsPlan, SlabRead)
 from encdec_engine.quantization.kv_int8 import as_stored, attend_int8_rows, num_groups, read_rows
 from encdec_engine.attention.metadata import AttentionMetadata, AttentionView
-from encdec_engine.attention.ops import onednn_attention
+from encdec_engine.attention.ops import cpu_decode, onednn_attention
 from encdec_engine.attention.ops.cpu_decode import DecodeKernel
 from encdec_engine.attention.position_bias import PositionBias
 
@@ -99,6 +99,7 @@ class PagedDecodePlan:
     max_len: int
     _scratch: dict = field(default_factory=dict)  # num_heads -> (scores, probabilities) [num_seqs, H, max_len]
     _masks: dict = field(default_factory=dict)  # id(bias) -> (bias, [num_seqs, H, max_len] additive mask)
+    _checked: set = field(default_factory=set)  # pool sizes (blocks) the tables and lengths were checked against
 
     @classmethod
     def of(cls, view: AttentionView) -> PagedDecodePlan | None:
@@ -108,6 +109,13 @@ class PagedDecodePlan:
             return None
         return cls(view.block_tables.to(torch.int64).contiguous(), view.key_lens.to(torch.int64).contiguous(),
                    view.max_key_len)
+
+    def check_indices(self, num_blocks: int) -> None:
+        """The kernel's bounds check of the tables and lengths against a pool of `num_blocks` blocks, done by
+        the first layer that reads such a pool (four reductions, not four at each of the step's layers)."""
+        if num_blocks not in self._checked:
+            cpu_decode.check_indices(self.tables, self.lens, self.max_len, num_blocks)
+            self._checked.add(num_blocks)
 
     def scratch(self, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         held = self._scratch.get(num_heads)
@@ -253,8 +261,9 @@ class TorchSDPABackend:
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         q = query if scale == 1.0 else query * scale
         mask = None if position_bias is None else plan.bias_mask(position_bias, q.dtype)
+        plan.check_indices(kv_cache.shape[1])
         return self.fused_decode.attend(q, kv_cache, plan.tables, plan.lens, plan.max_len, mask,
-                                        plan.scratch(q.shape[1]))
+                                        plan.scratch(q.shape[1]), indices_checked=True)
 
     def _attend_self_rows(self, query, key, value, kv_cache, view: AttentionView, scale: float,
                           position_bias: PositionBias | None) -> torch.Tensor:

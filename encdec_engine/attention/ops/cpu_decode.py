@@ -79,14 +79,16 @@ class DecodeKernel:
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                max_len: int, mask: torch.Tensor | None = None,
-               scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               scratch: tuple[torch.Tensor, torch.Tensor] | None = None, indices_checked: bool = False) -> torch.Tensor:
         """softmax(query . keys + mask) @ values for each sequence's one query over its cached keys.
 
         query [S, H, D] fp32 (scaled; its last dim contiguous), kv_cache [2, blocks, block_size, Hkv, W]
         fp32 or bf16 (contiguous, W >= D), tables [S, >= ceil(max_len / block_size)] int64 block ids, lens [S]
         int64 keys per sequence (1..max_len), mask None or [S, H, max_len] added to the scores (a
         position bias; the kernel itself puts -inf past each sequence's length). `scratch`: two [S, H, max_len]
-        fp32 tensors for the scores and probabilities, reused by a step's layers. Returns [S, H, D]."""
+        fp32 tensors for the scores and probabilities, reused by a step's layers. `indices_checked`: the caller
+        has passed these tables and lengths through `check_indices` for a pool of this many blocks (a step's
+        layers share them: checked once, not at every layer). Returns [S, H, D]."""
         num_seqs, num_heads, head_dim = query.shape
         _, _, block_size, num_kv_heads, width = kv_cache.shape
         if (kv_cache.dtype not in POOL_DTYPES or query.dtype != torch.float32 or not kv_cache.is_contiguous()
@@ -95,10 +97,8 @@ class DecodeKernel:
                 or not lens.is_contiguous() or max_len > tables.shape[1] * block_size):
             raise ValueError(f"decode kernel: unsupported operands (query {tuple(query.shape)} {query.dtype}, "
                              f"cache {tuple(kv_cache.shape)} {kv_cache.dtype}, tables {tuple(tables.shape)})")
-        if num_seqs and (int(lens.min()) < 1 or int(lens.max()) > max_len or int(tables.min()) < 0
-                         or int(tables.max()) >= kv_cache.shape[1]):  # the C code trusts them: no reads outside
-            raise ValueError(f"decode kernel: lengths {lens.min()}..{lens.max()} (of at most {max_len}) or block ids "
-                             f"{tables.min()}..{tables.max()} outside the pool's {kv_cache.shape[1]} blocks")
+        if not indices_checked:
+            check_indices(tables, lens, max_len, kv_cache.shape[1])
         threads = torch.get_num_threads()
         splits = max(1, min(math.ceil(TASKS_PER_THREAD * threads / max(num_seqs, 1)), max_len // MIN_RUN))
         shape = (num_seqs, num_heads, max_len)
@@ -118,6 +118,18 @@ class DecodeKernel:
         torch.softmax(scores, dim=-1, out=probs)
         self._values(ctypes.byref(args))
         return out
+
+
+def check_indices(tables: torch.Tensor, lens: torch.Tensor, max_len: int, num_blocks: int) -> None:
+    """Raises ValueError unless every length is within 1..max_len and every block id names one of the pool's
+    `num_blocks` blocks: the C code trusts them, so nothing outside the pool is ever read."""
+    if not lens.numel():
+        return
+    (low, high), (first, last) = torch.aminmax(lens), torch.aminmax(tables)
+    low, high, first, last = int(low), int(high), int(first), int(last)
+    if low < 1 or high > max_len or first < 0 or last >= num_blocks:
+        raise ValueError(f"decode kernel: lengths {low}..{high} (of at most {max_len}) or block ids "
+                         f"{first}..{last} outside the pool's {num_blocks} blocks")
 
 
 def _check_layout(library: ctypes.CDLL) -> None:
