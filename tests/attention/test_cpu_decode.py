@@ -106,7 +106,6 @@ def test_kernel_reads_strided_queries_and_refuses_what_it_cannot_read():
         KERNEL.attend(query, cache, tables, torch.tensor([7, 3]), 6)
 
 
-
 def test_a_steps_plan_checks_its_indices_once_per_pool_and_still_refuses_bad_ones(monkeypatch):
     """The layers of a step share its tables and lengths: the bounds check runs for the first layer reading
     a pool of a given size, not at every layer, and a plan naming a block past the pool still raises."""
@@ -121,6 +120,7 @@ def test_a_steps_plan_checks_its_indices_once_per_pool_and_still_refuses_bad_one
         plan.check_indices(2)
     with pytest.raises(ValueError, match=r"lengths 0\.\.3"):
         PagedDecodePlan(torch.tensor([[0]]), torch.tensor([0, 3]), 3).check_indices(4)
+
 
 @needs_kernel
 @pytest.mark.parametrize("bias_kind", [None, "t5", "alibi"])
