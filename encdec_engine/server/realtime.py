@@ -133,7 +133,8 @@ class RealtimeConnection:
         self.config, self.configured = SessionConfig(), False
         self.model = LiveModel(st.engine.engine)
         self.session = LiveSession(self.model, self._options(self.config), f"item_{self.id[5:13]}_")
-        self.stream = LiveStream(st.engine, self.session, self._emit, st.metrics.observe_realtime_lag, "realtime")
+        self.stream = LiveStream(st.engine, self.session, self._emit, st.metrics.observe_realtime_lag, "realtime",
+                                 st.vad)
         self.audio = AudioChunks(self.config.rate)
         self.pace = AudioPace(st.limits.max_realtime_speed, st.limits.max_realtime_buffer_seconds)
         self.wait = 0.0  # seconds before the next event is read (the audio is ahead of `pace`)
@@ -173,6 +174,7 @@ class RealtimeConnection:
                     await asyncio.wait_for(asyncio.shield(sender), 5.0)
         finally:
             self.st.live_sessions.discard(self.session)
+            self.stream.close()
             self.st.realtime_connections.discard(self)
             for task in tasks:
                 task.cancel()
@@ -328,7 +330,7 @@ class RealtimeConnection:
         for start in range(0, max(len(pcm), 1), rate):
             if start:
                 await asyncio.sleep(0)
-            self._emit(self.stream.append(self.audio(pcm[start : start + rate])))
+            self._emit(await self.stream.append(self.audio(pcm[start : start + rate])))
             if self.session.buffered_seconds > bound:
                 return
 

@@ -19,6 +19,7 @@ from encdec_engine.server.errors import APIError, engine_error
 from encdec_engine.server.limits import Admission, AudioMemory, RealtimeSessions, Reservation, ServerLimits, Ticket
 from encdec_engine.server.metrics import Metrics
 from encdec_engine.server.uploads import largest_upload_bytes
+from encdec_engine.speech.live.async_driver import VadBatch
 from encdec_engine.translation.tasks import Translator
 
 T = TypeVar("T")
@@ -44,6 +45,7 @@ class ServerState:
         self.realtime = RealtimeSessions(limits.max_realtime_sessions, limits.realtime_sessions_per_client)
         self.live_sessions: set = set()  # the LiveSessions of the realtime connections open (for the metrics)
         self.realtime_connections: set = set()  # the RealtimeConnections open (finished at shutdown)
+        self.vad = VadBatch()  # the realtime sessions' voice detection, in shared calls
 
     def translator(self) -> Translator:
         """The model's translation convention (made at the first request with a target_language); a 400

@@ -30,6 +30,7 @@ FRAME_SAMPLES = 512  # samples per Silero frame at 16 kHz (32 ms)
 CONTEXT_SAMPLES = 64  # samples of the frame before, prepended to each frame
 WINDOW_FRAMES = 1024  # frames per recording and step (33 s): the LSTM's state is carried between steps
 MAX_STREAMS = 8  # recordings per step: at most 8 x 1024 frames through the front at once (~80 MB)
+State = tuple[torch.Tensor, torch.Tensor]  # the LSTM's (h, c) after a row's last frame, each [1, 1, hidden]
 
 
 def _load_silero():
@@ -74,25 +75,37 @@ class SileroVad:
         for g in range(0, len(order), MAX_STREAMS):
             group = [i for i in order[g : g + MAX_STREAMS] if len(frames[i])]
             pieces: dict[int, list[torch.Tensor]] = {i: [] for i in group}
-            state = None
+            states: list[State | None] = [None] * len(group)
             for start in range(0, len(frames[group[0]]) if group else 0, WINDOW_FRAMES):
-                live = [i for i in group if len(frames[i]) > start]
-                lengths = [min(WINDOW_FRAMES, len(frames[i]) - start) for i in live]
-                front = self._front(torch.cat([frames[i][start : start + n] for i, n in zip(live, lengths)]))
-                rows = torch.nn.utils.rnn.pad_sequence(front.squeeze(-1).split(lengths), batch_first=True)
-                packed = torch.nn.utils.rnn.pack_padded_sequence(rows, lengths, batch_first=True)
-                if state is not None:
-                    state = tuple(s[:, : len(live)] for s in state)  # rows whose recording ended drop out
-                out, state = self._lstm(packed, state)
-                hidden, _ = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)  # [live, frames, 128]
-                for row, (i, n) in enumerate(zip(live, lengths)):
-                    pieces[i].append(self._head(hidden[row, :n].unsqueeze(-1)).flatten())
-                    done += min((start + n) * FRAME_SAMPLES, len(audios[i])) - start * FRAME_SAMPLES
+                live = [i for i in group if len(frames[i]) > start]  # rows whose recording ended drop out
+                rows, states = self.rows([frames[i][start : start + WINDOW_FRAMES] for i in live], states[: len(live)])
+                for i, row in zip(live, rows):
+                    pieces[i].append(row)
+                    done += min((start + len(row)) * FRAME_SAMPLES, len(audios[i])) - start * FRAME_SAMPLES
                 if on_progress is not None:
                     on_progress(done / SAMPLE_RATE, total / SAMPLE_RATE)
             for i in group:
                 probs[i] = torch.cat(pieces[i]).numpy()
         return probs
+
+    @torch.inference_mode()
+    def rows(self, frames: Sequence[torch.Tensor], states: Sequence[State | None],
+             ) -> tuple[list[torch.Tensor], list[State]]:
+        """One call of the network over several rows of frames: the front on all of them at once, the LSTM
+        over each row's frames from that row's state. `frames`: [n_i, CONTEXT_SAMPLES + FRAME_SAMPLES] per
+        row (n_i >= 1); `states`: each row's LSTM state after its frames before (None: its first frames).
+        Returns [n_i] probabilities per row and each row's state after its last frame."""
+        lengths = [len(f) for f in frames]
+        zeros = torch.zeros(1, 1, self._lstm.hidden_size)
+        start = tuple(torch.cat([zeros if s is None else s[k] for s in states], dim=1) for k in range(2))
+        front = self._front(torch.cat(list(frames))).squeeze(-1)  # [sum n_i, hidden]
+        padded = torch.nn.utils.rnn.pad_sequence(front.split(lengths), batch_first=True)
+        packed = torch.nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=False)
+        out, (h, c) = self._lstm(packed, start)
+        hidden, _ = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)  # [rows, max n_i, hidden]
+        valid = torch.cat([hidden[row, :n] for row, n in enumerate(lengths)])
+        probs = list(self._head(valid.unsqueeze(-1)).flatten().split(lengths))
+        return probs, [(h[:, row : row + 1], c[:, row : row + 1]) for row in range(len(frames))]
 
     def speech_spans(self, audios: Sequence[np.ndarray], options: VadOptions,
                      on_progress: Callable[[float, float], None] | None = None) -> list[list[tuple[int, int]]]:

@@ -127,6 +127,42 @@ def test_streamed_speech_gets_deltas_while_spoken_and_offline_final_text(server)
     assert early >= 1, "no text arrived while a turn was being spoken"
 
 
+def test_two_sessions_share_voice_detection_calls_and_each_gets_its_offline_text(server):
+    """Two sessions streaming at once (each 100 ms chunk of one sent right after the other's): their voice
+    detection runs in shared calls of the network, and each turn's .completed still equals the offline
+    transcription of its span."""
+    audios = [recording("fox.wav"), recording("coffee.wav", gap=1.3)]
+    pcms = [pcm24k(a) for a in audios]
+    calls, appends = server.state.vad.calls, server.state.vad.appends
+    with connect(server) as first, connect(server) as second:
+        conns = (first, second)
+        for conn in conns:
+            assert conn.recv().type == "session.created"
+            conn.session.update(session=ga_session())
+            assert conn.recv().type == "session.updated"
+
+        def feed():
+            for i in range(0, max(len(p) for p in pcms), CHUNK):
+                for conn, pcm in zip(conns, pcms):
+                    if i < len(pcm):
+                        conn.input_audio_buffer.append(audio=b64(pcm[i : i + CHUNK]))
+                time.sleep(0.1)
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        events = [collect(conn, "conversation.item.input_audio_transcription.completed") for conn in conns]
+        feeder.join()
+    shared = server.state.vad.appends - appends - (server.state.vad.calls - calls)
+    assert shared > 0, "no call of the voice detection took both sessions' appends"
+    for pcm, got in zip(pcms, events):
+        heard = AudioChunks(24000)
+        served = np.concatenate([heard(pcm[i : i + CHUNK]) for i in range(0, len(pcm), CHUNK)])
+        started = next(e for _, e in got if e.type == "input_audio_buffer.speech_started")
+        stopped = next(e for _, e in got if e.type == "input_audio_buffer.speech_stopped")
+        done = next(e for _, e in got if e.type.endswith("transcription.completed"))
+        assert done.transcript == offline(server, served[started.audio_start_ms * 16 : stopped.audio_end_ms * 16])
+
+
 def test_beta_interface_manual_commit(server):
     """The beta client (OpenAI-Beta: realtime=v1): transcription_session.update with turn detection off; the
     buffer becomes one turn when the client commits it."""

@@ -2,6 +2,8 @@
 turns detected with OpenAI's server_vad rules, text confirmed while each turn is spoken, and each turn's
 final text measured against the offline transcription (`LLM.transcribe`) of the same audio span."""
 
+import asyncio
+
 import jiwer
 import numpy as np
 import pytest
@@ -16,7 +18,10 @@ from encdec_engine.speech.live.events import (Committed, SpeechStarted, SpeechSt
 from encdec_engine.speech.live.model import LiveModel
 from encdec_engine.speech.live.options import LiveOptions
 from encdec_engine.speech.live.session import LiveError, LiveSession
-from encdec_engine.speech.live.vad import SileroStream, silero_network
+from encdec_engine.speech.live import async_driver
+from encdec_engine.speech.live import vad as live_vad
+from encdec_engine.speech.live.async_driver import VadBatch
+from encdec_engine.speech.live.vad import SileroStream, push_streams
 
 AUDIO_CLIPS = ("weather.wav", "fox.wav", "coffee.wav", "learning.wav", "stella.wav", "thanks_fast.wav")
 # Measured over the six clips, one turn each, streamed at three chunk phases (18 turns, 186 words; tiny.en):
@@ -36,21 +41,87 @@ def recording(*clips: str, gap: float = 1.2) -> np.ndarray:
     return np.concatenate([part for clip in clips for part in (silence, load_audio(AUDIO / clip))] + [silence])
 
 
-def test_streamed_probabilities_equal_silero_frame_loop_however_chunked():
-
-    audio = load_audio(AUDIO / "weather.wav")[: 512 * 60]
-    reference = silero_network()
+def silero_frame_loop(audio: np.ndarray) -> list[float]:
+    """silero-vad's own probabilities of each 512-sample frame (its stateful model, a frame at a time)."""
     import silero_vad
 
     model = silero_vad.load_silero_vad()
     with torch.inference_mode():
-        expected = [float(model(torch.from_numpy(audio[i : i + 512]), 16000)) for i in range(0, len(audio), 512)]
+        return [float(model(torch.from_numpy(audio[i : i + 512]), 16000)) for i in range(0, len(audio), 512)]
+
+
+def test_streamed_probabilities_equal_silero_frame_loop_however_chunked():
+    audio = load_audio(AUDIO / "weather.wav")[: 512 * 60]
+    expected = silero_frame_loop(audio)
     stream, got, position = SileroStream(), [], 0
     for size in (100, 1000, 7, 5000, 30000):  # odd chunk sizes: frames complete across them
         got += list(stream.push(audio[position : position + size]))
         position += size
-    assert stream.net is reference and len(got) == len(expected) == 60
+    assert len(got) == len(expected) == 60
     assert np.allclose(got, expected, atol=1e-6)
+
+
+def test_streams_pushed_together_get_each_their_own_frame_loop_probabilities():
+    """Several streams' appends in one call of the network (rows of different lengths, one with no frame
+    complete yet, streams joining late and leaving early): each stream's probabilities are still silero's
+    frame loop over its own audio."""
+    audios = [load_audio(AUDIO / clip)[: 512 * 40] for clip in ("weather.wav", "fox.wav", "coffee.wav")]
+    expected = [silero_frame_loop(a) for a in audios]
+    sizes = [(1600,) * 13, (700, 300, 3000) * 10, (100,) * 3 + (5000,) * 5]
+    streams, got, positions = [SileroStream() for _ in audios], [[], [], []], [0, 0, 0]
+    for step in range(30):
+        pushes = [(i, sizes[i][step]) for i in range(3) if step < len(sizes[i]) and positions[i] < len(audios[i])]
+        if not pushes:
+            break
+        probs = push_streams([(streams[i], audios[i][positions[i] : positions[i] + n]) for i, n in pushes])
+        for (i, n), p in zip(pushes, probs):
+            got[i] += list(p)
+            positions[i] += n
+    for g, e in zip(got, expected):
+        assert len(g) == len(e) == 40 and np.allclose(g, e, atol=1e-6)
+    stream = SileroStream()
+    with pytest.raises(ValueError, match="at most once"):
+        push_streams([(stream, audios[0][:1600]), (stream, audios[0][1600:3200])])
+    assert stream.state is None and len(stream.rest) == 0  # refused: nothing taken
+
+
+def test_the_server_s_voice_detection_shares_calls_and_a_failed_call_fails_only_its_own_stream(monkeypatch):
+    """`VadBatch`: an append waits until every stream that pushes has one waiting (one call for all), a
+    lone stream never waits, a stream that leaves releases the others, and when a shared call fails each
+    append is tried alone, so only the stream whose frames fail gets the error."""
+    audio = load_audio(AUDIO / "weather.wav")[:16000]
+
+    async def run():
+        batch = VadBatch(max_wait=60.0)  # waits are ended by the streams, never by the clock here
+        streams = [SileroStream() for _ in range(3)]
+        lone = await asyncio.wait_for(batch.push(streams[0], audio[:1600]), 5)
+        assert (batch.calls, batch.appends, len(lone)) == (1, 1, 3)
+        # streams 1 and 2 join and wait for stream 0, whose append completes the round: one call for three
+        pushes = [asyncio.ensure_future(batch.push(s, audio[1600:3200])) for s in (streams[1], streams[2], streams[0])]
+        probs = await asyncio.wait_for(asyncio.gather(*pushes), 5)
+        assert (batch.calls, batch.appends) == (2, 4) and [len(p) for p in probs] == [3, 3, 3]
+        first = asyncio.ensure_future(batch.push(streams[0], audio[3200:4800]))
+        await asyncio.sleep(0.01)
+        assert not first.done()  # it waits for the others...
+        batch.leave(streams[1])
+        batch.leave(streams[2])  # ...until they have left
+        assert len(await asyncio.wait_for(first, 5)) == 3
+
+        bad = streams[1]
+        real = live_vad.push_streams
+
+        def failing(pushes):
+            if any(stream is bad for stream, _ in pushes):
+                raise RuntimeError("this stream's frames broke the network")
+            return real(pushes)
+
+        monkeypatch.setattr(async_driver, "push_streams", failing)
+        pushes = [asyncio.ensure_future(batch.push(s, audio[4800:6400])) for s in (streams[1], streams[2], streams[0])]
+        done = await asyncio.wait_for(asyncio.gather(*pushes, return_exceptions=True), 5)
+        assert isinstance(done[0], RuntimeError) and len(done[1]) == len(done[2]) == 3
+        assert batch.calls == 5  # the shared call failed; streams 2 and 0 each got one of their own
+
+    asyncio.run(run())
 
 
 def test_turns_have_text_before_they_end_and_final_text_equal_to_offline(tiny_en):

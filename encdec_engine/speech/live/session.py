@@ -68,8 +68,10 @@ class LiveSession:
             self.detector = TurnDetector(detection, self.received, self.open is not None) if detection else None
 
     # -- audio and turns ---------------------------------------------------------------------
-    def append(self, samples: np.ndarray) -> list[LiveEvent]:
-        """Take [num_samples] float32 16 kHz audio; returns the turn boundaries it completes."""
+    def append(self, samples: np.ndarray, probs: np.ndarray | None = None) -> list[LiveEvent]:
+        """Take [num_samples] float32 16 kHz audio; returns the turn boundaries it completes. `probs`: the
+        speech probabilities of the frames it completes, where the caller had `self.detector.vad` find them
+        (with other streams': `push_streams`); by default voice detection runs here."""
         start = self.received
         self.received += len(samples)
         if self.detector is None:
@@ -79,7 +81,7 @@ class LiveSession:
             return []
         events: list[LiveEvent] = []
         position = start
-        for mark in self.detector.push(samples):
+        for mark in self.detector.push(samples) if probs is None else self.detector.take(probs):
             self._route(samples[position - start : mark.at - start])
             position = mark.at
             events += self._speech_started(mark) if mark.kind == "start" else self._speech_stopped(mark)

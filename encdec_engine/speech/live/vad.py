@@ -4,7 +4,9 @@ rules over its speech probabilities.
 Silero's network takes a 32 ms frame (512 samples at 16 kHz) after the last 64 samples of the frame
 before, and an LSTM state it returns updated. `SileroStream` keeps that state and context for one
 stream, so its probabilities equal silero's own frame loop over the whole recording however the audio
-is chunked. The network itself is shared by every stream (it holds no state of its own).
+is chunked. The network itself is shared by every stream (it holds no state of its own), and one call
+of it takes any number of streams' new frames (`push_streams`): a call costs about as much for one
+frame as for thirty, so the server gathers the streams' appends into one call (`async_driver.VadBatch`).
 
     probability  . . . . # # # # # # . # # . . . . . . . . . . . . # # ...
                          ^ start                  ^ stop: silence_duration_ms below neg_threshold
@@ -13,7 +15,7 @@ is chunked. The network itself is shared by every stream (it holds no state of i
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,48 +24,51 @@ import torch
 from encdec_engine.inputs.audio import SAMPLE_RATE
 from encdec_engine.machine.threads import one_thread
 from encdec_engine.speech.live.options import TurnDetection
-
-FRAME_SAMPLES = 512  # 32 ms at 16 kHz, the frame Silero VAD reads
-CONTEXT_SAMPLES = 64  # samples of the frame before, prepended to each frame
-
-
-@functools.lru_cache(maxsize=1)
-def silero_network():
-    """Silero VAD's 16 kHz network (from the silero-vad package: no download):
-    (frames [n, 576], state [2, n, 128]) -> (speech probabilities [n, 1], state)."""
-    threads = torch.get_num_threads()
-    try:
-        import silero_vad
-    finally:
-        torch.set_num_threads(threads)  # importing silero_vad sets one thread for the whole process
-    return silero_vad.load_silero_vad()._model
+from encdec_engine.speech.vad import CONTEXT_SAMPLES, FRAME_SAMPLES, SileroVad, State, shared_vad
 
 
 class SileroStream:
     """Speech probabilities of one stream's 32 ms frames, as its audio arrives in chunks of any size."""
 
     def __init__(self) -> None:
-        self.net = silero_network()
-        self.state = torch.zeros(2, 1, 128)
+        self.vad: SileroVad = shared_vad()
+        self.state: State | None = None  # the LSTM's after the last frame
         self.context = torch.zeros(CONTEXT_SAMPLES)
         self.rest = np.zeros(0, dtype=np.float32)  # samples of a frame not complete yet
 
-    @torch.inference_mode()
-    @one_thread()
     def push(self, samples: np.ndarray) -> np.ndarray:
-        """[frames] probability of every frame completed by these [num_samples] 16 kHz samples (on one of
-        torch's threads: a frame's ops are too small to split, and the engine's steps hold the cores)."""
+        """[frames] probability of every frame completed by these [num_samples] 16 kHz samples."""
+        return push_streams([(self, samples)])[0]
+
+    def _frames(self, samples: np.ndarray) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        """The frames these samples complete ([frames, CONTEXT_SAMPLES + FRAME_SAMPLES], each after the
+        context before it), and the rest and context to keep once they are read (nothing changes here)."""
         audio = np.concatenate([self.rest, np.asarray(samples, dtype=np.float32)])
         count = len(audio) // FRAME_SAMPLES
-        self.rest = audio[count * FRAME_SAMPLES :]
-        probs = np.zeros(count, dtype=np.float32)
-        frames = torch.from_numpy(audio[: count * FRAME_SAMPLES].copy()).view(count, FRAME_SAMPLES)
-        for i in range(count):
-            x = torch.cat([self.context, frames[i]]).unsqueeze(0)  # x: [1, 576]
-            prob, self.state = self.net(x, self.state)
-            probs[i] = float(prob)
-            self.context = frames[i, -CONTEXT_SAMPLES:]
-        return probs
+        flat = torch.cat([self.context, torch.from_numpy(audio[: count * FRAME_SAMPLES].copy())])
+        size = CONTEXT_SAMPLES + FRAME_SAMPLES
+        frames = flat.unfold(0, size, FRAME_SAMPLES) if count else flat.new_zeros(0, size)
+        return frames, audio[count * FRAME_SAMPLES :], flat[len(flat) - CONTEXT_SAMPLES :].clone()
+
+
+@one_thread()
+def push_streams(pushes: Sequence[tuple[SileroStream, np.ndarray]]) -> list[np.ndarray]:
+    """`SileroStream.push` of several streams (each at most once) in one call of the network, on one of
+    torch's threads (a call's ops are too small to split, and the engine's steps hold the cores). Should
+    the call raise, no stream has changed."""
+    if len({id(stream) for stream, _ in pushes}) < len(pushes):
+        raise ValueError("push_streams takes each stream at most once: its second push needs the first's state")
+    read = [stream._frames(samples) for stream, samples in pushes]
+    probs = [np.zeros(0, dtype=np.float32) for _ in pushes]
+    rows = [i for i, (frames, _, _) in enumerate(read) if len(frames)]
+    states = [stream.state for stream, _ in pushes]
+    if rows:
+        got, after = pushes[rows[0]][0].vad.rows([read[i][0] for i in rows], [states[i] for i in rows])
+        for row, i in enumerate(rows):
+            probs[i], states[i] = got[row].numpy(), after[row]
+    for (stream, _), (_, rest, context), state in zip(pushes, read, states):
+        stream.rest, stream.context, stream.state = rest, context, state
+    return probs
 
 
 @dataclass(frozen=True)
@@ -90,11 +95,16 @@ class TurnDetector:
 
     def push(self, samples: np.ndarray) -> list[Mark]:
         """The turn boundaries these samples complete, in order."""
+        return self.take(self.vad.push(samples))
+
+    def take(self, probs: np.ndarray) -> list[Mark]:
+        """The turn boundaries of the next frames, given their speech probabilities (`self.vad`'s, as
+        `push_streams` gives them for several streams at once), in order."""
         o = self.options
         pad = o.prefix_padding_ms * SAMPLE_RATE // 1000
         silence = o.silence_duration_ms * SAMPLE_RATE // 1000
         marks = []
-        for prob in self.vad.push(samples):
+        for prob in probs:
             start = self.origin + self.frames * FRAME_SAMPLES
             end = start + FRAME_SAMPLES
             self.frames += 1
