@@ -12,7 +12,8 @@ Per N it prints:
 - WER of each turn's completed text against the offline transcription of the same samples (the engine:
   /v1/audio/transcriptions of the span; faster-whisper: its own transcribe of the span);
 - the CPU the server (or the faster-whisper process) used, in cores, and the server's event loop thread
-  alone (voice detection, audio conversion, events);
+  alone (voice detection, audio conversion, events); the share of the time its engine thread was in a
+  step (`encdec_engine_busy_seconds_total`; the rest it waited for work);
 - whether it stayed real time: p95 word lag <= 2.0 s and p95 completed <= 1.0 s (the issue's targets).
 Then the largest N that stayed real time, for each.
 
@@ -78,6 +79,7 @@ class Run:
     early: int = 0  # turns with text before their speech stopped
     cpu: float = 0.0
     loop_cpu: float | None = None  # the server's event loop thread alone (voice detection, events), in cores
+    busy: float | None = None  # the share of the wall time the server's engine thread spent in steps
     wer: float = float("nan")
     unmatched: int = 0
 
@@ -200,7 +202,7 @@ def _tally(events: list[tuple[float, dict]], rec: Recording, times: dict, t0: fl
 def engine_run(url: str, recs: list[Recording], times: dict, pid: int) -> Run:
     run = Run()
     ws_url = url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
-    cpu, loop_cpu, wall = _cpu_seconds(pid), _cpu_seconds(pid, pid), time.monotonic()
+    cpu, loop_cpu, busy, wall = _cpu_seconds(pid), _cpu_seconds(pid, pid), _busy_seconds(url), time.monotonic()
 
     async def main() -> None:
         await asyncio.gather(*(client(ws_url, rec, times, random.Random(i).uniform(0, 1), run)
@@ -209,6 +211,7 @@ def engine_run(url: str, recs: list[Recording], times: dict, pid: int) -> Run:
     asyncio.run(main())
     run.cpu = (_cpu_seconds(pid) - cpu) / (time.monotonic() - wall)
     run.loop_cpu = (_cpu_seconds(pid, pid) - loop_cpu) / (time.monotonic() - wall)
+    run.busy = (_busy_seconds(url) - busy) / (time.monotonic() - wall)
     offline = []
     for _, samples in run.turns:
         buffer = io.BytesIO()
@@ -320,6 +323,7 @@ def row(system: str, n: int, recs: list[Recording], run: Run) -> str:
             f"{max(run.completed, default=float('nan')):.2f} | {100 * run.wer:.1f} | "
             f"{100 * _wer(run.deltas, [t for t, _ in run.turns]):.1f} | {run.early}/{len(run.turns)} | "
             f"{run.cpu:.2f} | {'-' if run.loop_cpu is None else f'{run.loop_cpu:.2f}'} | "
+            f"{'-' if run.busy is None else f'{100 * run.busy:.0f}'} | "
             f"{'yes' if real_time(run) else 'no'} |")
 
 
@@ -329,6 +333,12 @@ def machine() -> str:
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     wanted = [f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")]
     return f"{name}; {len(os.sched_getaffinity(0))} cores; flags: {' '.join(wanted) or 'none of avx2/avx512/amx'}"
+
+
+def _busy_seconds(url: str) -> float:
+    """The server's `encdec_engine_busy_seconds_total`: seconds its engine thread has spent in steps."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    return float(re.search(r"^encdec_engine_busy_seconds_total (\S+)$", text, re.M).group(1))
 
 
 def _cpu_seconds(pid: int, thread: int | None = None) -> float:
@@ -367,7 +377,7 @@ def main() -> int:
     cmd += ["--compute-type", args.compute_type] if args.compute_type else []
     header = ("| system | N | audio s | words | word lag p50 / p95 / max s | completed p50 / p95 / max s | "
               "WER vs offline % | deltas WER vs completed % | turns with text before stop | CPU cores | "
-              "event loop cores | real time |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "event loop cores | engine busy % | real time |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows, best = [], {"engine": 0, "faster-whisper": 0}
 
     def sweep(system: str, measure) -> None:

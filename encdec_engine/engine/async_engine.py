@@ -79,6 +79,7 @@ class EngineSnapshot:
     generated_tokens: int = 0
     num_step_errors: int = 0
     num_aborted: int = 0  # requests aborted before they finished (client gone, shutdown, failed step)
+    step_seconds: float = 0.0  # wall time the engine thread has spent in steps (the rest it waited for work)
     cache_stats: tuple[tuple[str, int], ...] = ()  # the block manager's prefix-cache counters
 
 
@@ -120,6 +121,7 @@ class AsyncLLMEngine:
         self._active: set[str] = set()  # request ids with a live caller (event loop side)
         self._ids = itertools.count()
         self._num_step_errors = 0
+        self._step_seconds = 0.0
         self._num_aborted = 0
         self._last_snapshot = 0.0
         self._started_at = time.monotonic()
@@ -346,6 +348,7 @@ class AsyncLLMEngine:
             future.set_exception(e)
 
     def _step(self) -> None:
+        start = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -357,6 +360,8 @@ class AsyncLLMEngine:
             if self.engine.has_unfinished_requests() or free != total:
                 self._dead = "engine state inconsistent after a failed step (the log has the traceback)"
             return
+        finally:
+            self._step_seconds += time.monotonic() - start
         batch = []
         for out in outputs:
             box = self._mailboxes.get(out.request_id)
@@ -402,6 +407,7 @@ class AsyncLLMEngine:
             num_swapped=len(scheduler.swapped), self_blocks=used - cross, cross_blocks=cross,
             free_blocks=free, total_blocks=total, free_swap_blocks=free_swap, total_swap_blocks=total_swap,
             generated_tokens=generated, num_step_errors=self._num_step_errors, num_aborted=self._num_aborted,
+            step_seconds=self._step_seconds,
             cache_stats=tuple(getattr(bm, "cache_stats", {}).items()),
         )
         self._token_samples.append((now, generated))

@@ -73,6 +73,8 @@ class Metrics:
         metric("encdec_requests_aborted_total", "counter", "Engine requests aborted before finishing",
                [("", s.num_aborted)])
         metric("encdec_engine_step_errors_total", "counter", "Engine steps that raised", [("", s.num_step_errors)])
+        metric("encdec_engine_busy_seconds_total", "counter", "Seconds the engine thread spent in steps (its rate "
+               "is the engine's busy share; the rest it waited for work)", [("", round(s.step_seconds, 3))])
         if s.cache_stats:
             metric("encdec_prefix_cache_total", "counter", "Prefix cache lookups and hits (cross: whole encoder "
                    "outputs; self: decoder prefix blocks)", [(f'{{event="{k}"}}', v) for k, v in s.cache_stats])

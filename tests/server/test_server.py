@@ -111,8 +111,17 @@ def test_models_health_and_metrics(bart_server, whisper_server):
         for name in ("encdec_requests_waiting", "encdec_requests_running", "encdec_requests_swapped",
                      'encdec_kv_blocks_used{kind="self"}', 'encdec_kv_blocks_used{kind="cross"}',
                      "encdec_generated_tokens_total", "encdec_generation_tokens_per_second",
-                     "encdec_request_latency_seconds_bucket"):
+                     "encdec_request_latency_seconds_bucket", "encdec_engine_busy_seconds_total"):
             assert name in text
+
+    def busy() -> float:
+        text = httpx.get(f"{whisper_server.url}/metrics").text
+        return float(re.search(r"^encdec_engine_busy_seconds_total (\S+)$", text, re.M).group(1))
+
+    before = busy()
+    with open(AUDIO / "fox.wav", "rb") as f:
+        whisper_server.client().audio.transcriptions.create(model="whisper-1", file=f)
+    until(lambda: busy() > before, "the engine's busy seconds counted the transcription's steps", 10)
 
 
 # -- transcription ------------------------------------------------------------------
