@@ -209,9 +209,10 @@ def engine_run(url: str, recs: list[Recording], times: dict, pid: int) -> Run:
                                for i, rec in enumerate(recs)))
 
     asyncio.run(main())
-    run.cpu = (_cpu_seconds(pid) - cpu) / (time.monotonic() - wall)
-    run.loop_cpu = (_cpu_seconds(pid, pid) - loop_cpu) / (time.monotonic() - wall)
-    run.busy = (_busy_seconds(url) - busy) / (time.monotonic() - wall)
+    elapsed = time.monotonic() - wall
+    run.cpu = (_cpu_seconds(pid) - cpu) / elapsed
+    run.loop_cpu = (_cpu_seconds(pid, pid) - loop_cpu) / elapsed
+    run.busy = (_busy_seconds(url) - busy) / elapsed
     offline = []
     for _, samples in run.turns:
         buffer = io.BytesIO()
