@@ -17,6 +17,10 @@ Per N it prints:
 - whether it stayed real time: p95 word lag <= 2.0 s and p95 completed <= 1.0 s (the issue's targets).
 Then the largest N that stayed real time, for each.
 
+The server runs without its prefix cache: stream i sends the same recording at every N (and again when an N
+repeats), so its turns' final decodes would find the encoder output of an earlier round in the cache; until
+2026-11-29 they did, and figures from before then are better than the engine's.
+
     python scripts/bench_realtime.py                          # N = 1, 2, 4, 8, 12, 16, 24, 32 (stops past real time)
     python scripts/bench_realtime.py --quantization int8      # the engine and faster-whisper on int8 weights
     python scripts/bench_realtime.py --quick                  # N = 1, 2 on short recordings: a smoke run
@@ -372,7 +376,8 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "encdec_engine.cli.main", "serve", "--port", str(port), "--log-level", "warning",
            "--api-key", KEY, "--threads", str(args.threads), "--max-realtime-sessions", str(max(counts)),
-           "--max-realtime-sessions-per-client", str(max(counts))]  # every simulated client is this machine
+           "--max-realtime-sessions-per-client", str(max(counts)),  # every simulated client is this machine
+           "--no-prefix-caching"]  # stream i replays the same audio at every N: no final may come from the cache
     cmd += ["--quantization", args.quantization] if args.quantization else []
     cmd += ["--realtime-interim-padding", args.interim_padding]
     cmd += ["--compute-type", args.compute_type] if args.compute_type else []
