@@ -75,7 +75,13 @@ def one_thread() -> Iterator[None]:
 
 
 def single_threaded() -> None:
-    """A worker thread's initializer: its torch ops run on one thread (see `one_thread`)."""
+    """A worker thread's initializer: its torch ops run on one thread (see `one_thread`). torch gives a
+    thread the process-wide count (the last any thread set) at its first parallel op or count query, over
+    whatever the thread set before: the query comes first, so the engine thread setting its 2 later does
+    not reach this one. Without it the server's input workers ran their log-mels on 2 threads, a second
+    OpenMP team beside the engine's, and libgomp, with more threads in teams than cores, stopped letting
+    the engine's worker spin between parallel regions."""
+    torch.get_num_threads()
     torch.set_num_threads(1)
 
 

@@ -203,3 +203,33 @@ def test_a_thread_beside_the_engine_runs_one_torch_thread_and_releases_its_openm
     before = torch.get_num_threads()
     assert _in_thread(beside) == (1, True)
     assert torch.get_num_threads() == before  # this thread's count is untouched
+
+
+def test_a_single_threaded_worker_stays_on_one_thread_when_the_engine_sets_its_count_later():
+    """torch gives a thread the process-wide count at its first parallel op; the engine thread sets its own
+    count before each step, so a worker set to one thread before that must not take the engine's count at its
+    first log-mel (the server's input workers did, and their second OpenMP team halved the speed of the
+    engine's decode steps: threads.single_threaded)."""
+    from encdec_engine.machine.threads import single_threaded
+
+    before = torch.get_num_threads()
+    initialized, engine_set = threading.Event(), threading.Event()
+    box = []
+
+    def worker():
+        single_threaded()
+        initialized.set()
+        engine_set.wait(10)
+        torch.ones(512, 512) @ torch.ones(512, 512)  # its first parallel op
+        box.append(torch.get_num_threads())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        initialized.wait(10)
+        torch.set_num_threads(2)  # as the engine thread does before a step
+        engine_set.set()
+        t.join(10)
+    finally:
+        torch.set_num_threads(before)
+    assert box == [1]
