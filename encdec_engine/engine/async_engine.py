@@ -36,7 +36,7 @@ from typing import TypeVar
 
 from encdec_engine.engine.llm_engine import LLMEngine, ProcessedRequest
 from encdec_engine.inputs.prompts import PromptType
-from encdec_engine.machine.threads import single_threaded
+from encdec_engine.machine.threads import own_threads, single_threaded
 from encdec_engine.outputs import RequestOutput
 from encdec_engine.sampling_params import SamplingParams
 
@@ -266,6 +266,8 @@ class AsyncLLMEngine:
     # -- the engine thread ---------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        if engine.device.type == "cpu":  # its count, not the one a thread beside it (the event loop) set last
+            own_threads(engine.threads)
         try:
             while self._dead is None:
                 idle = not engine.has_unfinished_requests()

@@ -74,15 +74,20 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def single_threaded() -> None:
-    """A worker thread's initializer: its torch ops run on one thread (see `one_thread`). torch gives a
-    thread the process-wide count (the last any thread set) at its first parallel op or count query, over
-    whatever the thread set before: the query comes first, so the engine thread setting its 2 later does
-    not reach this one. Without it the server's input workers ran their log-mels on 2 threads, a second
-    OpenMP team beside the engine's, and libgomp, with more threads in teams than cores, stopped letting
-    the engine's worker spin between parallel regions."""
+def own_threads(threads: int) -> None:
+    """The calling thread's torch ops run on `threads` threads from now on, whatever other threads set
+    later. torch gives a thread the process-wide count (the last any thread set) at its first parallel op
+    or count query, over whatever the thread set before, so the query comes first. Without it the server's
+    input workers, set to one thread before the engine thread set its 2, ran their log-mels on 2: a second
+    OpenMP team beside the engine's, and libgomp, with more threads in teams than cores, stopped letting the
+    engine's worker spin between parallel regions (its decode steps took twice their time)."""
     torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
+
+
+def single_threaded() -> None:
+    """A worker thread's initializer: its torch ops run on one thread (see `one_thread`, `own_threads`)."""
+    own_threads(1)
 
 
 def beside_engine_thread() -> None:

@@ -233,3 +233,42 @@ def test_a_single_threaded_worker_stays_on_one_thread_when_the_engine_sets_its_c
     finally:
         torch.set_num_threads(before)
     assert box == [1]
+
+
+def test_the_engine_thread_takes_its_own_count_whatever_the_event_loop_set(tmp_path, make_llm, caplog, monkeypatch):
+    """The server's event loop sets one torch thread for itself before the engine thread starts; the engine
+    thread then takes its own count at once, not the process-wide 1 (which it used to take at its first step,
+    warning that "something else" had set it)."""
+    import asyncio
+
+    import torch
+
+    from encdec_engine import SamplingParams
+    from encdec_engine.engine.async_engine import AsyncLLMEngine
+    from encdec_engine.machine import threads
+
+    monkeypatch.setattr(threads, "_overridden", set())
+    llm = make_llm(make_whisper(tmp_path / "whisper"), threads=2)
+    audio = {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": ([0.0] * 16000, 16000)}},
+             "decoder_prompt": {"prompt_token_ids": [50257, 50362]}}
+    seen = []
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: (seen.append(torch.get_num_threads()), step())[1])
+
+    async def serve():
+        engine = AsyncLLMEngine(llm.engine)
+        try:
+            async for _ in engine.generate(audio, SamplingParams(temperature=0.0, max_tokens=3), "r"):
+                pass
+        finally:
+            await engine.shutdown()
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the event loop's own count (threads.beside_engine_thread)
+        with caplog.at_level(logging.WARNING, logger="encdec_engine.machine.threads"):
+            asyncio.run(serve())
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {2}
+    assert not caplog.records
