@@ -241,8 +241,6 @@ def test_the_engine_thread_takes_its_own_count_whatever_the_event_loop_set(tmp_p
     warning that "something else" had set it)."""
     import asyncio
 
-    import torch
-
     from encdec_engine import SamplingParams
     from encdec_engine.engine.async_engine import AsyncLLMEngine
     from encdec_engine.machine import threads
