@@ -35,7 +35,8 @@ def server_limits(args):
                         max_realtime_speed=args.max_realtime_speed,
                         max_realtime_sessions_per_client=args.max_realtime_sessions_per_client,
                         realtime_idle_timeout_s=args.realtime_idle_timeout,
-                        realtime_interim_padding_s=args.realtime_interim_padding)
+                        realtime_interim_padding_s=args.realtime_interim_padding,
+                        without_timestamps=args.without_timestamps)
 
 
 def server_engine_kwargs(args) -> dict:
@@ -109,6 +110,10 @@ def add_serve_parser(sub) -> None:
                     help="what a live session's interim decodes (the deltas while a turn is spoken) read: the "
                          "buffered audio and this many seconds of padding (default 2), or 'full': the whole 30 s "
                          "window, as the final decode always does (costlier; see docs/live.md)")
+    sv.add_argument("--without-timestamps", action="store_true",
+                    help="answers without times (json, text, streams; no timestamp_granularities) decode with "
+                         "<|notimestamps|>, as vLLM's server and HF's pipeline do; default: timestamp tokens, as "
+                         "openai-whisper decodes (verbose_json, srt and vtt always do; see docs/server.md)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

@@ -64,6 +64,7 @@ async def _audio_request(request: Request, task: str) -> Response:
         # and sends each window's text once the window is final: nothing sent is ever taken back.
         try:  # an unknown language is refused by TranscribeOptions, one this checkpoint lacks by the Transcriber
             options = TranscribeOptions(language=getattr(req, "language", None), task=task,
+                                        timestamps=not (st.limits.without_timestamps and _untimed(req)),
                                         initial_prompt=req.prompt, temperatures=fallback_temperatures(req.temperature),
                                         word_timestamps=getattr(req, "words", False), chunked=chunking is not None,
                                         vad_filter=vad is not None, vad_parameters=vad and vad.vad_parameters,
@@ -99,6 +100,11 @@ async def _audio_request(request: Request, task: str) -> Response:
         if not handed_over:
             ticket.release_all()
     return _audio_response(result, req.response_format, task, getattr(req, "timestamp_granularities", []))
+
+
+def _untimed(req: P.TranslationRequest) -> bool:
+    """Whether the answer carries no times: json or text (or a stream of text), no timestamp granularities."""
+    return req.response_format in ("json", "text") and not getattr(req, "timestamp_granularities", [])
 
 
 def _transcriber(engine, options: TranscribeOptions, task: str) -> Transcriber:

@@ -69,6 +69,11 @@ class ServerLimits:
     # What a realtime session's interim decodes read: the buffer and this much of the window's padding
     # (seconds; None: the whole 30 s window). LiveOptions.interim_padding_seconds.
     realtime_interim_padding_s: float | None = 2.0
+    # Transcriptions and translations whose answer carries no times (json, text, and streams, without
+    # timestamp_granularities) decode with <|notimestamps|>, as vLLM's server and HF's pipeline decode
+    # short audio; verbose_json, srt, vtt and word timestamps still decode timed segments. False: every
+    # request decodes as openai-whisper's transcribe() does (timestamp tokens).
+    without_timestamps: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
