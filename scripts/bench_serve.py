@@ -30,7 +30,7 @@ fallback, timestamps and conditioning). vLLM's server has no option for these: g
 no fallback, and a long file cut into 30 s chunks decoded at once, none conditioned on another.
 With --without-timestamps the engine (`encdec serve --without-timestamps`) and faster-whisper
 (`without_timestamps=True`) decode without timestamp tokens as vLLM does (fallback and conditioning stay):
-on tiny.en that alone moves the WER of these recordings from about 13% to about 8.5% (docs/server.md).
+on tiny.en in fp32 that alone moved the WER of these recordings from 12-13% to 8-8.5% (docs/server.md).
 
     python scripts/bench_serve.py                                   # all three, C = 1,4,16,64, the mixed run
     python scripts/bench_serve.py --servers engine,vllm --rounds 2  # the whole sweep twice: the noise
@@ -178,8 +178,8 @@ def start_engine(args, tmp: Path) -> Server | None:
     return spawn("engine", [sys.executable, "-m", "encdec_engine.cli.main", "serve", "--host", "127.0.0.1",
                             "--port", port, "--api-key", KEY, "--log-level", "warning", "--served-model-name", MODEL,
                             "--max-queue", 1024, "--max-upload-mb", 100, "--max-client-audio-mb", 4096,
-                            *shlex.split(args.engine_args), *(["--without-timestamps"] if args.without_timestamps else [])],
-                 port, tmp)
+                            *shlex.split(args.engine_args),
+                            *(["--without-timestamps"] if args.without_timestamps else [])], port, tmp)
 
 
 def start_vllm(args, tmp: Path) -> Server | None:
