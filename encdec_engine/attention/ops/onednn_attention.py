@@ -17,8 +17,10 @@ near the core. `scripts/bench_attention.py` on a 2-core AMD EPYC (Zen 5, AVX-512
     12 x 256 x 64                    1.7     1.6     1.4
 
 The results differ from flash attention's only in summation order (~4e-7 at these sizes). It
-runs where the machine's fp32 linears run on oneDNN (`machine/cpu_kernels.py`; on an AVX2-only
-machine MKL and oneDNN are about even and flash attention stays), for at least `MIN_LENGTH`
+runs where the machine's fp32 linears run on oneDNN (`machine/cpu_kernels.py`: an AVX2-only machine
+keeps MKL and flash attention unless oneDNN wins the calibration; on a 2-core AVX2 EPYC (Zen 3) it
+won at 2 threads, and this took 48-49 ms at 6 x 1,500 x 64 against flash's 62 ms, 100 against 133 at
+12 heads: `bench_attention.py`, 2026-11-29), for at least `MIN_LENGTH`
 queries over at least as many keys, without a mask or a position bias. (A decoder prompt's few
 queries over a cross context stay on flash attention: for them, the transposed copies of the
 keys and values cost more than the matmuls save.)
