@@ -4,12 +4,14 @@ music-like tone between them (for the VAD tests and scripts/bench_vad.py). Deter
 from __future__ import annotations
 
 import functools
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import librosa
 import numpy as np
+import soundfile
 
 from encdec_engine.inputs.audio import SAMPLE_RATE, load_audio
 
@@ -33,6 +35,13 @@ def speech_extent(samples: np.ndarray) -> tuple[float, float]:
     """Seconds where a clip's speech starts and ends (espeak-ng leaves ~0.3 s of silence after it)."""
     _, (start, end) = librosa.effects.trim(samples, top_db=40)
     return start / SAMPLE_RATE, end / SAMPLE_RATE
+
+
+def wav(samples: np.ndarray) -> bytes:
+    """The samples as a 16-bit WAV file (an upload's bytes)."""
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
 
 
 def silence(seconds: float) -> np.ndarray:

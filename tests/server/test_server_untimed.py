@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import soundfile
 from servers import default_model_server
-from vad_audio import clip, silence
+from vad_audio import clip, silence, wav
 
 from encdec_engine.cli.main import build_parser
 from encdec_engine.cli.serve import server_limits
-from encdec_engine.inputs.audio import SAMPLE_RATE
 from encdec_engine.server.app import ServerLimits
 from encdec_engine.speech.offline import transcribe_offline
 from encdec_engine.speech.options import TranscribeOptions
@@ -36,10 +35,7 @@ def clean(server):
 
 @pytest.fixture(scope="module")
 def upload() -> bytes:
-    samples = np.concatenate([silence(0.5)] + [part for name in CLIPS for part in (clip(name), silence(0.6))])
-    buffer = io.BytesIO()
-    soundfile.write(buffer, samples, SAMPLE_RATE, format="WAV", subtype="PCM_16")
-    return buffer.getvalue()
+    return wav(np.concatenate([silence(0.5)] + [part for name in CLIPS for part in (clip(name), silence(0.6))]))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import openai
 import pytest
 import soundfile
 from servers import LiveServer, default_model_server
-from vad_audio import recording, silence, white_noise
+from vad_audio import recording, silence, wav, white_noise
 
 from encdec_engine.server.app import ServerLimits
 from encdec_engine.inputs.audio import SAMPLE_RATE
@@ -31,12 +31,6 @@ def server():
 def clean(server):
     yield
     server.assert_clean()
-
-
-def wav(samples: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    soundfile.write(buffer, samples, SAMPLE_RATE, format="WAV", subtype="PCM_16")
-    return buffer.getvalue()
 
 
 def test_server_vad_through_the_openai_client(server):
